@@ -1,0 +1,80 @@
+"""Batch-1 decode speed: kvserve with its KV cache, kvserve recomputing everything (no_cache), transformers.
+
+All three run in this process on the same weights (transformers loads kvserve's converted copy of the
+GGUF), so the ratios printed at the end are measured under the same machine load.
+
+    python bench/decode.py [--model smollm2-135m] [--prompt-len 128] [--new-tokens 128]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.models.gguf_convert import converted_dir
+from kvserve.models.registry import resolve_model_path
+
+
+def kvserve_decode(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
+    """Decode tokens/s and the wall time of each step, by position in the output."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    step_times, last = [], None
+    for out in llm.stream(prompt, params):
+        now = time.perf_counter()
+        if last is not None:
+            step_times.append(now - last)
+        last = now
+    return out.metrics.decode_tokens_per_s, step_times
+
+
+def transformers_decode(model_dir, prompt: list[int], new_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kwargs)  # warm-up
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        total = time.perf_counter() - start
+    return (new_tokens - 1) / (total - prefill)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    prompt = [1000 + (i * 37) % 20000 for i in range(args.prompt_len)]
+
+    cached = LLM(args.model)
+    kvserve_decode(cached, prompt, 8)  # warm-up
+    with_cache, _ = kvserve_decode(cached, prompt, args.new_tokens)
+    del cached
+    recompute = LLM(args.model, use_kv_cache=False, max_num_batched_tokens=args.prompt_len + args.new_tokens)
+    no_cache, steps = kvserve_decode(recompute, prompt, args.new_tokens)
+    del recompute
+    path = resolve_model_path(args.model)
+    hf = transformers_decode(converted_dir(path) if path.suffix == ".gguf" else path, prompt, args.new_tokens)
+
+    print(f"\nbatch-1 decode, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.get_num_threads()} threads")
+    print(f"  kvserve (KV cache)      {with_cache:8.1f} tok/s")
+    print(f"  kvserve (no_cache)      {no_cache:8.1f} tok/s")
+    print(f"  transformers generate   {hf:8.1f} tok/s")
+    print("no_cache step time by output position (the whole sequence is recomputed each step):")
+    for pos in (16, 64, 128):
+        if pos <= len(steps):
+            print(f"  position {pos:4d}: {steps[pos - 1] * 1000:7.1f} ms")
+    print(f"ratio kvserve cache / transformers: {with_cache / hf:.2f}x")
+    print(f"ratio kvserve cache / no_cache:     {with_cache / no_cache:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.errors import KVServeError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The architecture of a Llama-family decoder, read from a Hugging Face config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelConfig:
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise KVServeError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
+            raise KVServeError("sliding-window attention is not supported yet (config.json sets sliding_window)")
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise KVServeError("attention_bias / mlp_bias are not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise KVServeError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu (SwiGLU) is supported")
+        heads = cfg["num_attention_heads"]
+        theta, scaling = _rope_settings(cfg)
+        eos = cfg.get("eos_token_id")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """transformers 5 writes `rope_parameters`; older configs write `rope_theta` and `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise KVServeError(f"unsupported RoPE scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    return theta, (None if rope_type == "default" else {**params, "rope_type": rope_type})
+
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: str | int) -> int:
+    """'2GiB' -> 2147483648, '500MB' -> 500000000, 1024 -> 1024."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise KVServeError(f"invalid size {value!r}; use bytes or a unit such as 512MiB or 2GiB")
+    number, unit, binary = m.groups()
+    base = 1024 if binary or not unit else 1000
+    return int(float(number) * base ** " kmgt".index(unit.lower() or " "))
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings; `validate` turns bad values into one clear error."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    scheduler: str = "continuous"
+    use_kv_cache: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        checks = [
+            (self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}"),
+            (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),
+            (self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}"),
+            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
+            (self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
+            (self.preemption_mode in ("recompute", "swap"), f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"),
+            (self.scheduler in ("continuous", "static"), f"scheduler must be continuous or static, got {self.scheduler!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise KVServeError(message)
+        if parse_size(self.kv_cache_memory) <= 0:
+            raise KVServeError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)

@@ -1,0 +1,91 @@
+"""One forward pass for a scheduled batch: flatten its tokens, point attention at the KV cache, sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.kv_cache import KVCache
+from kvserve.engine.scheduler import ScheduledBatch
+from kvserve.errors import KVServeError
+from kvserve.layers.attention import AttentionGroup, ForwardContext
+from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.loader import Checkpoint, load_weights
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    ctx: ForwardContext
+    logits_index: torch.Tensor  # flat index of the last token of each sequence that samples this step
+    sampling_rows: list[int]  # which of the batch's sequences sample, in logits_index order
+
+
+class ModelRunner:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, max_model_len: int, num_blocks: int):
+        self.config, self.device = config, torch.device(config.device)
+        self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device)
+        self.kv_cache = KVCache(checkpoint.config, num_blocks, config.block_size, config.torch_dtype, config.device)
+        self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput]:
+        """Run the batch; returns which of its sequences sampled (by position in the batch) and their tokens."""
+        inputs = self.prepare(batch)
+        hidden = self.model(inputs.input_ids, inputs.ctx)
+        logits = self.model.compute_logits(hidden[inputs.logits_index])
+        self.last_logits = logits
+        seqs = [batch.seqs[i] for i in inputs.sampling_rows]
+        sampling = SamplingBatch(
+            [s.params for s in seqs], [s.generator for s in seqs],
+            [s.token_ids[: s.num_prompt_tokens] for s in seqs], [s.output_token_ids for s in seqs],
+        )
+        return inputs.sampling_rows, sample(logits.cpu(), sampling)
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        bs, dev = self.config.block_size, self.device
+        starts = torch.tensor([s.num_computed_tokens for s in batch.seqs])
+        counts = torch.tensor(batch.num_tokens)
+        offsets = torch.cumsum(counts, 0) - counts
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs])
+        input_ids = torch.tensor([t for s, n in zip(batch.seqs, batch.num_tokens)
+                                  for t in s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n]])
+        owner = torch.repeat_interleave(torch.arange(len(batch)), counts)
+        positions = starts[owner] + torch.arange(len(owner)) - offsets[owner]
+        slot_mapping = tables[owner, positions // bs] * bs + positions % bs
+        groups = [_group(rows, starts, counts, offsets, tables, bs)
+                  for rows in (counts == 1, counts > 1) if rows.any()]
+        sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                         if s.num_computed_tokens + n == s.num_tokens]
+        logits_index = offsets[sampling_rows] + counts[sampling_rows] - 1
+        ctx = ForwardContext(positions.to(dev), slot_mapping.to(dev), [g.to(dev) for g in groups], self.kv_cache)
+        return StepInputs(input_ids.to(dev), ctx, logits_index.to(dev), sampling_rows)
+
+
+def _group(rows: torch.Tensor, starts, counts, offsets, tables, bs: int) -> AttentionGroup:
+    """Pad the selected sequences' queries to [B, Q]; their keys are whole blocks, masked past each query."""
+    start, count, offset = starts[rows], counts[rows], offsets[rows]
+    q = torch.arange(int(count.max()))
+    last = torch.minimum(q[None, :], count[:, None] - 1)  # padding queries repeat the last real one
+    query_pos = start[:, None] + last
+    num_blocks = -(-int((start + count).max()) // bs)
+    key_pos = torch.arange(num_blocks * bs)
+    causal = key_pos[None, None, :] <= query_pos[:, :, None]
+    query_index = offset[:, None] + last
+    valid = q[None, :] < count[:, None]
+    return AttentionGroup(query_index, valid, tables[rows, :num_blocks], None if bool(causal.all()) else causal.unsqueeze(1),
+                          query_index[valid])
+
+
+def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(checkpoint.config, max_positions)
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in load_weights(checkpoint).items()}
+    try:
+        model.load_hf_weights(weights)
+    except (KeyError, RuntimeError) as e:
+        raise KVServeError(f"weights in {checkpoint.path} do not match a {checkpoint.hf_config.get('model_type')} model: {e}") from e
+    return model.to(device).eval()

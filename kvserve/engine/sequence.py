@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from kvserve.outputs import RequestMetrics, TokenLogprob
+from kvserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request's tokens and where its KV lives.
+
+    `num_computed_tokens` tokens have K/V in the cache (in the blocks of `block_table`); the rest of
+    `token_ids` still has to go through the model. A finished prefill samples a token, which is appended.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id, self.prompt, self.params = request_id, prompt, params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids, filled lazily
+        self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
+        self.swapped_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.text = ""
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_token_ids))
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,72 @@
+"""The offline Python API, in the style of vLLM: `LLM(model).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from tqdm import tqdm
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.errors import KVServeError
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
+                 use_tqdm: bool = True, add_special_tokens: bool = True) -> list[RequestOutput]:
+        """Run every prompt through the engine together; results come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        token_ids = [self.engine.tokenize(p, add_special_tokens) for p in prompts]
+        for ids in token_ids:  # reject a bad prompt before any work starts
+            self.engine.check_request(ids, params)
+        ids = [self.engine.add_request(p, params, add_special_tokens=add_special_tokens) for p in prompts]
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+            prefill = decode = seconds = 0.0
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+                step = self.engine.last_step
+                prefill, decode, seconds = prefill + step.prefill_tokens, decode + step.decode_tokens, seconds + step.seconds
+                bar.set_postfix_str(f"prefill {prefill / max(seconds, 1e-9):.0f} tok/s, decode {decode / max(seconds, 1e-9):.0f} tok/s", refresh=False)
+        return [results[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               add_special_tokens: bool = True) -> Iterator[RequestOutput]:
+        """Yield the request's output after every token; the last one has finish_reason set."""
+        request_id = self.engine.add_request(prompt, params or SamplingParams(), add_special_tokens=add_special_tokens)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(request_id)
+
+    def chat(self, messages: list[Message] | list[list[Message]], params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Answer one conversation (a list of messages) or several; returns one output per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[Message]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise KVServeError(f"{self.engine.config.model} has no chat template")
+        if not messages:
+            raise KVServeError("messages must not be empty")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

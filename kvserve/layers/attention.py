@@ -1,0 +1,51 @@
+"""Attention over the paged KV cache for a flattened batch of tokens from many sequences.
+
+The model runner splits a step's sequences into groups (decodes with one query each; prefill chunks)
+and pads each group to a rectangle, so one SDPA call per group covers every sequence in it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.engine.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    query_index: torch.Tensor  # [B, Q] flat token index of each query (padding repeats a real one)
+    query_valid: torch.Tensor  # [B, Q] bool, False on padding
+    block_tables: torch.Tensor  # [B, N] each sequence's blocks; keys at positions 0..N*block_size-1
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool, True where a query may attend; None: attend to all
+    flat_index: torch.Tensor  # flat token index of each valid query, in query_valid order
+
+    def to(self, device: torch.device) -> AttentionGroup:
+        return AttentionGroup(*(None if t is None else t.to(device) for t in (
+            self.query_index, self.query_valid, self.block_tables, self.mask, self.flat_index)))
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    groups: list[AttentionGroup]
+    kv_cache: KVCache
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: ForwardContext, scale: float
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
+    ctx.kv_cache.write(layer, k, v, ctx.slot_mapping)
+    out = torch.empty_like(q)
+    for group in ctx.groups:
+        keys, values = ctx.kv_cache.read(layer, group.block_tables)
+        queries = q[group.query_index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+            attn_mask=group.mask, scale=scale, enable_gqa=True,
+        )
+        out[group.flat_index] = o.transpose(1, 2)[group.query_valid]
+    return out
