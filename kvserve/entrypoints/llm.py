@@ -20,6 +20,13 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm.tokenizer = llm.engine.tokenizer
+        return llm
+
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
                  use_tqdm: bool = True, add_special_tokens: bool = True) -> list[RequestOutput]:
         """Run every prompt through the engine together; results come back in input order."""

@@ -56,11 +56,25 @@ def converted_dir(gguf_path: Path) -> Path:
 
 
 def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()[:24]
+    """SHA-256 of the file, remembered per (path, size, mtime): hashing 100 MB costs seconds at every start."""
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    index_file = cache_root() / "digests.json"
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        index = {}
+    if key not in index:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        index[key] = digest.hexdigest()[:24]
+        index_file.parent.mkdir(parents=True, exist_ok=True)
+        staging = index_file.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps(index))
+        os.replace(staging, index_file)
+    return index[key]
 
 
 def _convert(gguf_path: Path, out: Path) -> None:

@@ -48,6 +48,10 @@ def load_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
 def _load_tokenizer(directory: Path):
     if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
+    if (directory / "tokenizer.json").is_file():  # the fast path: AutoTokenizer imports seconds of model code
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(directory)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory)

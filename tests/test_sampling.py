@@ -1,0 +1,73 @@
+"""Sampling options and stop conditions, end to end through the engine."""
+from __future__ import annotations
+
+import pytest
+
+from kvserve import KVServeError, SamplingParams
+from tests.conftest import greedy
+
+PROMPT = "Once upon a time"
+
+
+def test_seed_reproducible_and_different_seeds_differ(smollm2):
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True) for s in (7, 7, 8)]
+    a, b, c = (smollm2.generate(PROMPT, p, use_tqdm=False)[0].token_ids for p in params)
+    assert a == b
+    assert a != c
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(smollm2):
+    expected = smollm2.generate(PROMPT, greedy(16), use_tqdm=False)[0].token_ids
+    for params in (SamplingParams(temperature=1.5, top_k=1, max_tokens=16, ignore_eos=True, seed=1),
+                   SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=16, ignore_eos=True, seed=2)):
+        assert smollm2.generate(PROMPT, params, use_tqdm=False)[0].token_ids == expected
+
+
+def test_max_tokens_and_length_reason(smollm2):
+    out = smollm2.generate(PROMPT, greedy(5), use_tqdm=False)[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stop_string_cuts_text(smollm2):
+    full = smollm2.generate(PROMPT, greedy(24), use_tqdm=False)[0].text
+    stop = full.split()[3]
+    out = smollm2.generate(PROMPT, greedy(24, stop=[stop]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.index(stop)]
+
+
+def test_stop_token_id(smollm2):
+    full = smollm2.generate(PROMPT, greedy(12), use_tqdm=False)[0].token_ids
+    out = smollm2.generate(PROMPT, greedy(12, stop_token_ids=[full[4]]), use_tqdm=False)[0]
+    assert out.token_ids == full[: full.index(full[4]) + 1] and out.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored(smollm2):
+    messages = [{"role": "user", "content": "Say hi."}]
+    stopped = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=64))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] in smollm2.engine.eos_token_ids
+    ignored = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=len(stopped.token_ids) + 3, ignore_eos=True))[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == len(stopped.token_ids) + 3
+
+
+def test_logprobs_are_reported(smollm2):
+    out = smollm2.generate(PROMPT, greedy(4, logprobs=3), use_tqdm=False)[0]
+    assert len(out.logprobs) == 4
+    for lp, token in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == token and lp.logprob <= 0 and len(lp.top) == 3
+        assert max(lp.top.values()) == pytest.approx(lp.logprob, abs=1e-5)  # greedy picks the top token
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0),
+                                 dict(top_k=0), dict(repetition_penalty=0.0), dict(stop=[""])])
+def test_invalid_sampling_values(bad):
+    field = next(iter(bad))
+    with pytest.raises(KVServeError, match=field):
+        SamplingParams(**bad)
+
+
+def test_streaming_yields_each_token(smollm2):
+    outs = list(smollm2.stream(PROMPT, greedy(6)))
+    assert [len(o.token_ids) for o in outs] == [1, 2, 3, 4, 5, 6]
+    assert "".join(o.new_text for o in outs) == outs[-1].text
+    assert outs[-1].finished and not outs[0].finished
