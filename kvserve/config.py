@@ -119,6 +119,7 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
             (self.preemption_mode in ("recompute", "swap"), f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"),
             (self.scheduler in ("continuous", "static"), f"scheduler must be continuous or static, got {self.scheduler!r}"),
+            (self.use_kv_cache or self.scheduler == "continuous", "use_kv_cache=False needs the continuous scheduler"),
         ]
         for ok, message in checks:
             if not ok:

@@ -47,12 +47,13 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs, dev = self.config.block_size, self.device
         starts = torch.tensor([s.num_computed_tokens for s in batch.seqs])
-        counts = torch.tensor(batch.num_tokens)
+        real_counts = torch.tensor(batch.num_tokens)
+        counts = real_counts + torch.tensor(batch.padding or [0] * len(batch))
         offsets = torch.cumsum(counts, 0) - counts
         width = max(len(s.block_table) for s in batch.seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs])
-        input_ids = torch.tensor([t for s, n in zip(batch.seqs, batch.num_tokens)
-                                  for t in s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n]])
+        input_ids = torch.tensor([t for s, n, c in zip(batch.seqs, batch.num_tokens, counts.tolist())
+                                  for t in s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n] + [0] * (c - n)])
         owner = torch.repeat_interleave(torch.arange(len(batch)), counts)
         positions = starts[owner] + torch.arange(len(owner)) - offsets[owner]
         slot_mapping = tables[owner, positions // bs] * bs + positions % bs
@@ -60,7 +61,7 @@ class ModelRunner:
                   for rows in (counts == 1, counts > 1) if rows.any()]
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                          if s.num_computed_tokens + n == s.num_tokens]
-        logits_index = offsets[sampling_rows] + counts[sampling_rows] - 1
+        logits_index = offsets[sampling_rows] + real_counts[sampling_rows] - 1
         ctx = ForwardContext(positions.to(dev), slot_mapping.to(dev), [g.to(dev) for g in groups], self.kv_cache)
         return StepInputs(input_ids.to(dev), ctx, logits_index.to(dev), sampling_rows)
 

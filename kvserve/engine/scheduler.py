@@ -20,6 +20,7 @@ from kvserve.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # new tokens of each sequence in this step
+    padding: list[int] | None = None  # static batching: pad tokens computed after each prompt, then discarded
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -65,6 +66,34 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def schedule(self) -> ScheduledBatch:
+        return self._schedule_static() if self.config.scheduler == "static" else self._schedule_continuous()
+
+    def _schedule_static(self) -> ScheduledBatch:
+        """The baseline continuous batching replaces: admit a batch only when the last one has fully finished,
+        reserve KV for its longest prompt + max_tokens, prefill every prompt padded to the longest in one pass."""
+        batch = ScheduledBatch()
+        if self.running:
+            for seq in self.running:
+                batch.add(seq, 1)
+            return batch
+        bm, members = self.block_manager, []
+        while self.waiting and len(members) < self.config.max_num_seqs:
+            longest = max([s.num_tokens for s in members] + [self.waiting[0].num_tokens])
+            reserve = [longest + s.params.max_tokens for s in members + [self.waiting[0]]]
+            if sum(map(bm.blocks_needed, reserve)) > bm.num_free_blocks:
+                break
+            members.append(self.waiting.popleft())
+        longest = max((s.num_tokens for s in members), default=0)
+        for seq in members:
+            assert bm.allocate_slots(seq, longest + seq.params.max_tokens)
+            seq.status = SequenceStatus.RUNNING
+            seq.metrics.first_scheduled_time = time.perf_counter()
+            self.running.append(seq)
+            batch.add(seq, seq.num_tokens)
+        batch.padding = [longest - seq.num_tokens for seq in members]
+        return batch
+
+    def _schedule_continuous(self) -> ScheduledBatch:
         batch, budget, preempted = ScheduledBatch(), self.config.max_num_batched_tokens, False
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):  # decodes first
             if budget == 0:
