@@ -35,7 +35,7 @@ def test_chunked_prefill_mixed_with_decodes_equals_alone(alone):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_equals_alone(alone, mode):
-    llm = LLM("smollm2-135m", num_blocks=6, block_size=8, preemption_mode=mode, enable_prefix_caching=False)
+    llm = LLM("smollm2-135m", num_blocks=12, block_size=8, preemption_mode=mode, enable_prefix_caching=False)
     assert _run(llm) == alone
     assert llm.engine.scheduler.stats.num_preemptions > 0
 
