@@ -61,9 +61,6 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
-
 
 def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
     """transformers 5 writes `rope_parameters`; older configs write `rope_theta` and `rope_scaling`."""
@@ -130,3 +127,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The planner's name for the KV element type."""
+        return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]

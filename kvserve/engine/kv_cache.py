@@ -18,7 +18,6 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._k_slots, self._v_slots = self.k.flatten(1, 2), self.v.flatten(1, 2)  # [layers, slots, heads, dim] views
-        self.bytes_per_token = config.kv_bytes_per_token(dtype)
 
     @property
     def nbytes(self) -> int:

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import EngineConfig, parse_size
+from kvserve.config import EngineConfig
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
+from kvserve.memory import blocks_that_fit, kv_bytes_per_token, spec_from_hf_config
 from kvserve.models.loader import open_checkpoint
 from kvserve.outputs import RequestOutput, TokenLogprob
 from kvserve.sampling_params import SamplingParams
@@ -40,8 +41,8 @@ class LLMEngine:
         if self.max_model_len > model_config.max_position_embeddings:
             raise KVServeError(f"max_model_len {self.max_model_len} exceeds the model's context window "
                                f"of {model_config.max_position_embeddings} tokens")
-        self.bytes_per_token = model_config.kv_bytes_per_token(config.torch_dtype)
-        num_blocks = config.num_blocks or parse_size(config.kv_cache_memory) // (config.block_size * self.bytes_per_token)
+        self.bytes_per_token = int(kv_bytes_per_token(spec_from_hf_config(self.checkpoint.hf_config), config.kv_dtype_name))
+        num_blocks = config.num_blocks or blocks_that_fit(config.kv_cache_memory, config.block_size, self.bytes_per_token)
         if num_blocks < 1:
             raise KVServeError(f"kv_cache_memory {config.kv_cache_memory} is smaller than one block "
                                f"({config.block_size * self.bytes_per_token} bytes)")

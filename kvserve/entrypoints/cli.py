@@ -105,6 +105,92 @@ def _read_turns():
             yield text
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.server.app import create_app
+
+    if args.max_waiting < 1:
+        raise KVServeError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    engine = LLMEngine(engine_config(args))
+    app = create_app(engine, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting)
+    print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} (KV pool {engine.kv_usage()['total_bytes'] / 2**20:.0f} MiB, "
+          f"{engine.block_manager.num_blocks} blocks of {engine.config.block_size} tokens)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with metrics and a live KV page")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1 routes")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond this get HTTP 503")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(func=cmd_serve)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v.replace("_", "")) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
+def cmd_memory(args: argparse.Namespace) -> None:
+    import json
+
+    from kvserve.config import parse_size
+    from kvserve.memory import DEVICES, Device, PlanRequest, load_spec, plan
+    from kvserve.memory.report import plot, render
+
+    if args.device not in DEVICES:
+        raise KVServeError(f"unknown device {args.device!r}; choose from {', '.join(DEVICES)} or pass --flops and --bandwidth")
+    base = DEVICES[args.device]
+    device = Device(base.name if not (args.flops or args.bandwidth) else "custom", base.memory,
+                    args.flops or base.flops, args.bandwidth or base.bandwidth)
+    spec = load_spec(args.model)
+    request = PlanRequest(
+        dtypes=args.kv_dtype or PlanRequest().dtypes, contexts=args.contexts, batches=args.batch, group_size=args.group_size,
+        memory=parse_size(args.memory) if args.memory else None, num_devices=args.num_devices,
+        weight_bytes=parse_size(args.weight_bytes) if args.weight_bytes else None, weight_bits=args.weight_bits,
+        utilization=args.utilization,
+    )
+    report = plan(spec, device, request)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        render(report)
+    if args.plot:
+        plot(spec, request.dtypes, max(request.contexts), args.plot, request.group_size)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+
+
+def _add_memory_parser(sub) -> None:
+    mem = sub.add_parser("memory", help="plan KV memory: bytes per token, capacity, roofline")
+    mem.add_argument("model", help="preset (e.g. llama-3-70b), built-in model, config.json, model directory or .gguf")
+    mem.add_argument("--kv-dtype", action="append", help="bf16, fp16, fp32, fp8, int8, int4, 2bit (repeatable)")
+    mem.add_argument("--contexts", type=_int_list, default=[4096, 32768, 131072], help="e.g. 4096,32768")
+    mem.add_argument("--batch", type=_int_list, default=[1, 8, 32], help="batch sizes, e.g. 1,8,32")
+    mem.add_argument("--group-size", type=int, default=32, help="values per quantization scale")
+    mem.add_argument("--device", default="h100-80gb")
+    mem.add_argument("--num-devices", type=int, default=1)
+    mem.add_argument("--memory", help="total device memory, overrides the device's (e.g. 640GiB)")
+    mem.add_argument("--weight-bytes", help="weight size (default: parameters x --weight-bits)")
+    mem.add_argument("--weight-bits", type=int, default=16)
+    mem.add_argument("--utilization", type=float, default=0.9, help="share of memory the engine may use")
+    mem.add_argument("--flops", type=float, help="peak FLOP/s of a custom device")
+    mem.add_argument("--bandwidth", type=float, help="memory bandwidth (bytes/s) of a custom device")
+    mem.add_argument("--json", action="store_true")
+    mem.add_argument("--plot", help="write a PNG of KV GiB against context length")
+    mem.set_defaults(func=cmd_memory)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="A small LLM inference engine built around the KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
+    _add_serve_parser(sub)
+    _add_memory_parser(sub)
     return parser
 
 

@@ -1,0 +1,117 @@
+"""Serving under load: a bounded load generator against `kvserve serve` on loopback, next to the offline engine.
+
+At each concurrency (1, 8, 32) it keeps that many streaming completions in flight and records output
+tokens/s, p50/p99 TTFT and inter-token latency. The offline engine's throughput on the same prompts is
+measured in this same run; the last line is the server's share of it at the highest concurrency.
+
+    python bench/serve.py [--concurrency 1,8,32] [--prompt-len 64] [--new-tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from kvserve import LLM, SamplingParams
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], new_tokens: int) -> tuple[float, list[float], int]:
+    body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, arrivals, tokens = time.perf_counter(), [], 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                arrivals.append(time.perf_counter())
+            elif chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return arrivals[0] - start, gaps, tokens
+
+
+async def load(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def bounded(prompt):
+            async with limit:
+                return await one_request(client, url, prompt, new_tokens)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        seconds = time.perf_counter() - start
+    ttft = [r[0] for r in results]
+    itl = [g for r in results for g in r[1]]
+    return {"tokens_per_s": sum(r[2] for r in results) / seconds, "ttft": ttft, "itl": itl}
+
+
+def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--model", model, "--port", str(port),
+                             "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"])
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rng = random.Random(0)
+    make = lambda n: [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(n)]  # noqa: E731
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = start_server(args.model, port, max(levels))
+    rows = []
+    try:
+        for c in levels:
+            prompts = make(max(4, 2 * c))
+            rows.append((c, len(prompts), asyncio.run(load(f"http://127.0.0.1:{port}", prompts, args.new_tokens, c))))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    top = max(levels)
+    llm = LLM(args.model, max_num_seqs=top)
+    prompts = make(2 * top)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True), use_tqdm=False)
+    offline = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+    print(f"\nprompts {args.prompt_len} tokens, {args.new_tokens} new tokens, streaming completions on loopback")
+    for c, n, r in rows:
+        print(f"  concurrency {c:3d} ({n:3d} requests): {r['tokens_per_s']:7.1f} output tok/s   "
+              f"TTFT p50 {percentile(r['ttft'], .5) * 1000:7.0f} ms  p99 {percentile(r['ttft'], .99) * 1000:7.0f} ms   "
+              f"ITL p50 {percentile(r['itl'], .5) * 1000:6.0f} ms  p99 {percentile(r['itl'], .99) * 1000:6.0f} ms")
+    print(f"  offline engine, batch {top} ({2 * top} requests): {offline:7.1f} output tok/s")
+    print(f"ratio server @ concurrency {top} / offline: {rows[-1][2]['tokens_per_s'] / offline:.2f}")
+
+
+if __name__ == "__main__":
+    main()

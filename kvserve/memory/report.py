@@ -1,0 +1,126 @@
+"""The planner's answer for one model: a dict (for --json), a rich table, and a plot."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.memory.planner import DEFAULT_GROUP_SIZE, Device, capacity, kv_bytes, kv_bytes_per_token, kv_dtype, mha_factor, roofline
+from kvserve.memory.spec import ModelSpec
+
+GiB = 2**30
+
+
+@dataclass(slots=True)
+class PlanRequest:
+    dtypes: list[str] = field(default_factory=lambda: ["bf16", "fp8", "int4", "2bit"])
+    contexts: list[int] = field(default_factory=lambda: [4096, 32768, 131072])
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32])
+    group_size: int = DEFAULT_GROUP_SIZE
+    memory: int | None = None  # total device memory; None: the device's times num_devices
+    num_devices: int = 1
+    weight_bytes: int | None = None
+    weight_bits: int = 16
+    utilization: float = 0.9
+
+
+def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
+    for name in req.dtypes:
+        kv_dtype(name)  # reject an unknown dtype before any work
+    memory = req.memory or device.memory * req.num_devices
+    if req.num_devices > 1:  # tensor parallel: the roofline sees the devices' summed FLOP/s and bandwidth
+        device = Device(f"{req.num_devices} x {device.name}", device.memory * req.num_devices,
+                        device.flops * req.num_devices, device.bandwidth * req.num_devices)
+    kv = {name: {"bytes_per_token": kv_bytes_per_token(spec, name, req.group_size),
+                 "total_bytes": {c: {b: kv_bytes(spec, c, b, name, req.group_size) for b in req.batches} for c in req.contexts}}
+          for name in req.dtypes}
+    cap = {name: capacity(spec, memory, req.contexts, name, req.weight_bytes, req.weight_bits, req.utilization)
+           for name in req.dtypes}
+    first = cap[req.dtypes[0]]
+    batch, context = req.batches[-1], req.contexts[0]
+    prefill, decode = roofline(spec, batch, context, req.dtypes[0], req.weight_bits)
+    return {
+        "model": {"name": spec.name, "attention": spec.attention_kind, "layers": spec.num_layers, "heads": spec.num_heads,
+                  "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "kv_lora_rank": spec.kv_lora_rank,
+                  "qk_rope_head_dim": spec.qk_rope_head_dim, "sliding_window": spec.sliding_window,
+                  "local_layers": sum(spec.window_of(i) is not None for i in range(spec.num_layers)),
+                  "params": spec.num_params()},
+        "group_size": req.group_size,
+        "mha_factor": mha_factor(spec),
+        "kv": kv,
+        "capacity": {"memory_bytes": memory, "weight_bytes": first.weight_bytes, "utilization": req.utilization,
+                     "kv_budget_bytes": {n: c.kv_budget for n, c in cap.items()},
+                     "max_requests": {n: c.max_requests for n, c in cap.items()}},
+        "roofline": {"device": device.name, "peak_flops": device.flops, "bandwidth": device.bandwidth,
+                     "ridge_intensity": device.flops / device.bandwidth, "batch": batch, "context": context,
+                     **{p.name: {"flops": p.flops, "bytes": p.bytes, "intensity": p.intensity, "bound": p.bound(device),
+                                 "seconds": p.seconds(device)} for p in (prefill, decode)},
+                     "decode_tokens_per_s_bound": batch / decode.seconds(device)},
+    }
+
+
+def render(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console, m = Console(), report["model"]
+    attention = m["attention"] + (f", {m['local_layers']}/{m['layers']} layers local (window {m['sliding_window']})"
+                                  if m["local_layers"] else "")
+    console.print(f"[bold]{m['name']}[/]: {m['layers']} layers, {attention}, {m['params'] / 1e9:.2f} B parameters; "
+                  f"full MHA would cache {report['mha_factor']:.1f}x more")
+    kv = report["kv"]
+    contexts = list(next(iter(kv.values()))["total_bytes"])
+    table = Table(title=f"KV cache (scales per group of {report['group_size']})")
+    table.add_column("dtype")
+    table.add_column("per token", justify="right")
+    for c in contexts:
+        table.add_column(f"{c:,} tok x batch {', '.join(map(str, kv[next(iter(kv))]['total_bytes'][c]))}", justify="right")
+    for name, row in kv.items():
+        cells = [" / ".join(f"{v / GiB:,.2f}" for v in row["total_bytes"][c].values()) + " GiB" for c in contexts]
+        table.add_row(name, _per_token(row["bytes_per_token"]), *cells)
+    console.print(table)
+    cap = report["capacity"]
+    table = Table(title=f"Capacity: {cap['memory_bytes'] / GiB:,.1f} GiB x {cap['utilization']:.0%}, "
+                        f"weights {cap['weight_bytes'] / GiB:,.1f} GiB")
+    table.add_column("dtype")
+    table.add_column("KV budget", justify="right")
+    for c in contexts:
+        table.add_column(f"max requests @ {c:,}", justify="right")
+    for name, fits in cap["max_requests"].items():
+        table.add_row(name, f"{cap['kv_budget_bytes'][name] / GiB:,.1f} GiB", *(f"{fits[c]:,}" for c in contexts))
+    console.print(table)
+    if min(cap["kv_budget_bytes"].values()) <= 0:
+        console.print(f"[red]the weights ({cap['weight_bytes'] / GiB:,.1f} GiB) leave no room for the KV cache in "
+                      f"{cap['utilization']:.0%} of {cap['memory_bytes'] / GiB:,.1f} GiB[/]")
+    r = report["roofline"]
+    table = Table(title=f"Roofline on {r['device']} (ridge {r['ridge_intensity']:.0f} FLOP/byte), "
+                        f"batch {r['batch']}, context {r['context']:,}")
+    for col in ("phase", "FLOPs", "bytes", "FLOP/byte", "bound", "time"):
+        table.add_column(col, justify="right")
+    for phase in ("prefill", "decode"):
+        p = r[phase]
+        table.add_row(phase, f"{p['flops']:.3g}", f"{p['bytes']:.3g}", f"{p['intensity']:,.1f}", p["bound"], f"{p['seconds'] * 1000:,.2f} ms")
+    console.print(table)
+    console.print(f"decode upper bound: {r['decode_tokens_per_s_bound']:,.0f} tokens/s at batch {r['batch']}")
+
+
+def _per_token(value: float) -> str:
+    return f"{value:,.0f} B ({value / 1024:,.1f} KiB)"
+
+
+def plot(spec: ModelSpec, dtypes: list[str], max_context: int, path: str, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = [max(1, int(max_context * i / 64)) for i in range(65)]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dtypes:
+        ax.plot(contexts, [kv_bytes(spec, c, 1, name, group_size) / GiB for c in contexts], label=name)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("KV cache per request (GiB)")
+    ax.set_title(f"{spec.name}: {spec.attention_kind}, {spec.num_layers} layers")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,307 @@
+"""The FastAPI app: OpenAI routes, tokenizer routes, health, Prometheus metrics and the live KV page."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.errors import KVServeError
+from kvserve.outputs import RequestOutput
+from kvserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from kvserve.server.metrics import Metrics
+from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
+                                     TokenizeRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage)
+
+STATIC = Path(__file__).parent / "static"
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come; closing this closes (and aborts) them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Server:
+    """Request handling shared by the routes: validation, submission, response shapes."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, max_waiting: int):
+        self.engine, self.model_name = engine, model_name
+        self.metrics = Metrics(model_name)
+        self.async_engine = AsyncEngine(engine, self.metrics, max_waiting)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           "not_found_error", "model_not_found")
+
+    def decode(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id]) if self.engine.tokenizer else str(token_id)
+
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, f"the model {self.model_name} has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template raises jinja errors for conversations it does not accept
+            raise APIError(400, f"the chat template rejected these messages: {e}") from e
+        return self.engine.tokenize(text, add_special_tokens=False)
+
+    def submit(self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
+               prefix: str) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
+        """Validate every (prompt, choice) before any starts, then start them; choice index = prompt * n + j."""
+        limit = self.engine.max_request_tokens
+        jobs = []
+        for i, ids in enumerate(prompts):
+            tokens = max_tokens if max_tokens is not None else max(1, limit - len(ids))
+            for j in range(req.n):
+                params = req.sampling_params(tokens, logprobs, j)
+                self.engine.check_request(ids, params)
+                jobs.append((ids, params))
+        waiting = self.async_engine.num_waiting
+        if waiting + len(jobs) > self.async_engine.max_waiting:
+            raise QueueFullError(f"the server is busy: {waiting} requests are waiting (limit {self.async_engine.max_waiting})")
+        request_id = new_id(prefix)
+        return request_id, [self.async_engine.generate(f"{request_id}-{k}", ids, params) for k, (ids, params) in enumerate(jobs)]
+
+    async def complete(self, req: CompletionRequest):
+        self.check_model(req.model)
+        prompts = self._completion_prompts(req.prompt)
+        request_id, streams = self.submit(req, prompts, req.max_tokens or 16, req.logprobs, "cmpl")
+        prompt_tokens = sum(map(len, prompts))
+        if req.stream:
+            return self._stream(self._completion_chunks(req, request_id, streams, prompt_tokens))
+        finals = await self._collect(streams)
+        choices = [{"index": i, "text": out.text, "finish_reason": out.finish_reason,
+                    "logprobs": completion_logprobs(out.logprobs, self.decode, 0) if out.logprobs is not None else None}
+                   for i, out in enumerate(finals)]
+        return envelope("text_completion", request_id, self.model_name, choices, usage=usage(prompt_tokens, finals))
+
+    async def chat(self, req: ChatCompletionRequest):
+        self.check_model(req.model)
+        ids = self.chat_prompt(req)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        request_id, streams = self.submit(req, [ids], req.max_completion_tokens or req.max_tokens, logprobs, "chatcmpl")
+        if req.stream:
+            return self._stream(self._chat_chunks(req, request_id, streams, len(ids)))
+        finals = await self._collect(streams)
+        choices = [{"index": i, "message": {"role": "assistant", "content": out.text}, "finish_reason": out.finish_reason,
+                    "logprobs": chat_logprobs(out.logprobs, self.decode) if out.logprobs is not None else None}
+                   for i, out in enumerate(finals)]
+        return envelope("chat.completion", request_id, self.model_name, choices, usage=usage(len(ids), finals))
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty")
+        return [self.engine.tokenize(p) for p in prompt]
+
+    async def _collect(self, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for index, out in merge(streams):
+            if out.finished:
+                finals[index] = out
+        return [finals[i] for i in range(len(streams))]
+
+    def _stream(self, chunks: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _completion_chunks(self, req, request_id, streams, prompt_tokens) -> AsyncIterator[str]:
+        created, finals, extra = int(time.time()), [], _usage_field(req)
+        async for index, out in merge_or_error(streams):
+            if isinstance(out, dict):
+                yield sse(out)
+                break
+            logprobs = None
+            if out.logprobs is not None:
+                logprobs = completion_logprobs(out.logprobs[-1:], self.decode, len(out.text) - len(out.new_text))
+            choice = {"index": index, "text": out.new_text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            yield sse(envelope("text_completion", request_id, self.model_name, [choice], created, **extra))
+            finals += [out] if out.finished else []
+        if extra:
+            yield sse(envelope("text_completion", request_id, self.model_name, [], created, usage=usage(prompt_tokens, finals)))
+        yield sse("[DONE]")
+
+    async def _chat_chunks(self, req, request_id, streams, prompt_tokens) -> AsyncIterator[str]:
+        created, finals, extra = int(time.time()), [], _usage_field(req)
+
+        def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return sse(envelope("chat.completion.chunk", request_id, self.model_name, [choice], created, **extra))
+
+        for index in range(len(streams)):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        async for index, out in merge_or_error(streams):
+            if isinstance(out, dict):
+                yield sse(out)
+                break
+            logprobs = chat_logprobs(out.logprobs[-1:], self.decode) if out.logprobs is not None else None
+            if out.new_text or logprobs:
+                yield chunk(index, {"content": out.new_text}, logprobs=logprobs)
+            if out.finished:
+                finals.append(out)
+                yield chunk(index, {}, out.finish_reason)
+        if extra:
+            yield sse(envelope("chat.completion.chunk", request_id, self.model_name, [], created,
+                               usage=usage(prompt_tokens, finals)))
+        yield sse("[DONE]")
+
+
+async def merge_or_error(streams) -> AsyncIterator[tuple[int, RequestOutput | dict]]:
+    """Like merge, but a failure mid-stream becomes one OpenAI error payload (the status is already sent)."""
+    try:
+        async for item in merge(streams):
+            yield item
+    except (KVServeError, EngineDeadError) as e:
+        yield -1, {"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}
+
+
+def _usage_field(req: SamplingRequest) -> dict:
+    return {"usage": None} if req.stream_options and req.stream_options.include_usage else {}
+
+
+def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None, max_waiting: int = 256) -> FastAPI:
+    server = Server(engine, model_name, max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.async_engine.start()
+        yield
+        server.async_engine.stop()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.state.server = server
+    _add_error_handlers(app)
+
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next):
+        if api_key and request.url.path.startswith(PROTECTED):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return error_response(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                                      "authentication_error", "invalid_api_key")
+        return await call_next(request)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await server.complete(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        return await server.chat(req)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
+                "max_model_len": engine.max_request_tokens}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        server.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send exactly one of prompt or messages")
+        ids = server.chat_prompt(req) if req.messages is not None else engine.tokenize(req.prompt, req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_request_tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        server.check_model(req.model)
+        vocab = engine.checkpoint.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    @app.get("/health")
+    async def health():
+        if not server.async_engine.alive:
+            return error_response(503, "the engine thread is not running", "server_error")
+        return {}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/kv/state")
+    async def kv_state():
+        return {"model": model_name, **await server.async_engine.snapshot()}
+
+    @app.get("/")
+    async def index():
+        return FileResponse(STATIC / "index.html")
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return error_response(e.status, e.message, e.kind, e.code)
+
+    @app.exception_handler(KVServeError)
+    async def bad_request(request: Request, e: KVServeError):
+        return error_response(400, str(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, e: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if p != 'body') or 'body'}: {err['msg']}"
+                             for err in e.errors()[:5])
+        return error_response(400, f"invalid request: {problems}")
+
+    @app.exception_handler(QueueFullError)
+    async def busy(request: Request, e: QueueFullError):
+        return error_response(503, str(e), "server_error", headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(request: Request, e: EngineDeadError):
+        return error_response(503, str(e), "server_error")

@@ -1,0 +1,198 @@
+"""The engine on its own thread, so the HTTP event loop never waits on model compute.
+
+Only the engine thread touches the LLMEngine. Handlers send it commands (add, abort, snapshot) through a
+queue and receive each request's outputs on an asyncio queue, filled with call_soon_threadsafe.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.metrics import Metrics
+
+log = logging.getLogger("kvserve.server")
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at its bound; the client should retry later."""
+
+
+class EngineDeadError(Exception):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int = 256):
+        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self.usage_history: deque[tuple[float, float]] = deque(maxlen=240)
+        self.recent = RecentStats()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+
+    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as its tokens arrive; leaving early (a disconnect) aborts it."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        if self.num_waiting >= self.max_waiting:
+            raise QueueFullError(f"{self.num_waiting} requests are waiting (the limit is {self.max_waiting})")
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        self._commands.put(("add", request_id, token_ids, params))
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, Exception):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def snapshot(self) -> dict:
+        """The block pool as the engine thread sees it between two steps."""
+        future: Future = Future()
+        self._commands.put(("snapshot", future))
+        return await asyncio.wrap_future(future)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._handle_commands(block=not self.engine.has_unfinished_requests())
+            if self._stop.is_set() or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug must fail the requests in flight, not kill the server
+                log.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            self._deliver(outputs)
+
+    def _handle_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            while True:
+                self._handle(command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, token_ids, params = command
+            if request_id not in self._streams:  # the client left before the engine saw it
+                return
+            try:
+                self.engine.add_request(token_ids, params, request_id=request_id)
+                self.metrics.prompt_tokens.inc(len(token_ids))
+            except Exception as e:
+                self._send(request_id, e)
+        elif kind == "abort":
+            if command[1] in self.engine.sequences:
+                self.engine.abort_request(command[1])
+                self.metrics.record_finished("abort")
+                self._update_gauges()
+        elif kind == "snapshot":
+            command[1].set_result(self._snapshot())
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            m = out.metrics
+            if m.num_output_tokens == 1:
+                self.metrics.ttft.observe(m.ttft)
+                self.metrics.queue_time.observe(m.queue_time or 0.0)
+                self.recent.ttft.append(m.ttft)
+            elif out.request_id in self.recent.last_token:
+                gap = now - self.recent.last_token[out.request_id]
+                self.metrics.itl.observe(gap)
+                self.recent.itl.append(gap)
+            self.recent.last_token[out.request_id] = now
+            self.recent.token_times.append(now)
+            if out.finished:
+                self.metrics.e2e.observe(m.e2e_latency)
+                self.metrics.record_finished(out.finish_reason)
+                self.recent.last_token.pop(out.request_id, None)
+            self._send(out.request_id, out)
+        self.metrics.generation_tokens.inc(len(outputs))
+        self.metrics.record_stats(self.engine.scheduler.stats)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        usage = self.engine.kv_usage()
+        share = usage["used_blocks"] / usage["num_blocks"]
+        self.metrics.kv_usage.set(share)
+        self.metrics.running.set(len(self.engine.scheduler.running))
+        self.metrics.waiting.set(len(self.engine.scheduler.waiting))
+        now = time.time()
+        if not self.usage_history or now - self.usage_history[-1][0] >= 0.25:
+            self.usage_history.append((now, share))
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine.sequences):
+            self.engine.abort_request(request_id)
+            self._send(request_id, EngineDeadError(f"the engine failed on this request's step: {error}"))
+        self._update_gauges()
+
+    def _send(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, outputs = target
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _snapshot(self) -> dict:
+        engine, bm = self.engine, self.engine.block_manager
+        owners: dict[int, list[str]] = {}
+        for seq in engine.sequences.values():
+            for block_id in seq.block_table:
+                owners.setdefault(block_id, []).append(seq.request_id)
+        blocks = [{"owners": owners.get(b.id, []), "ref": b.ref_count, "cached": b.hash is not None} for b in bm.blocks]
+        return {"blocks": blocks, "block_size": bm.block_size, "usage": engine.kv_usage(),
+                "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+                "history": list(self.usage_history), **self.recent.summary()}
+
+
+class RecentStats:
+    """Rolling TTFT, inter-token latency and tokens/s for the live page."""
+
+    def __init__(self):
+        self.ttft: deque[float] = deque(maxlen=50)
+        self.itl: deque[float] = deque(maxlen=500)
+        self.token_times: deque[float] = deque(maxlen=5000)
+        self.last_token: dict[str, float] = {}
+
+    def summary(self) -> dict:
+        now = time.perf_counter()
+        window = [t for t in self.token_times if now - t <= 5.0]
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        return {"ttft_s": mean(self.ttft), "itl_s": mean(self.itl), "tokens_per_s": len(window) / 5.0}

@@ -1,0 +1,51 @@
+"""Prometheus metrics, named in the style of vLLM's (`kvserve:` prefix), on a registry per server."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvserve.engine.scheduler import SchedulerStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class Metrics:
+    def __init__(self, model: str):
+        self.registry = CollectorRegistry()
+        labels, r = {"model_name": model}, self.registry
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"kvserve:{name}", doc, ["model_name"], registry=r, buckets=LATENCY_BUCKETS).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kvserve:{name}", doc, ["model_name"], registry=r).labels(**labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kvserve:{name}", doc, ["model_name"], registry=r).labels(**labels)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first output token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens of a request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first being scheduled.")
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by requests (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.finished = Counter("kvserve:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model = model
+        self._last_stats = SchedulerStats()
+
+    def record_stats(self, stats: SchedulerStats) -> None:
+        """Add what the scheduler counted since the previous call."""
+        last = self._last_stats
+        self.prefix_queries.inc(stats.prefix_queries - last.prefix_queries)
+        self.prefix_hits.inc(stats.prefix_hits - last.prefix_hits)
+        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self._last_stats = SchedulerStats(stats.num_preemptions, stats.prefix_queries, stats.prefix_hits)
+
+    def record_finished(self, reason: str) -> None:
+        self.finished.labels(model_name=self._model, finished_reason=reason).inc()

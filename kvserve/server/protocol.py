@@ -1,0 +1,126 @@
+"""OpenAI request bodies (pydantic) and the JSON shapes of responses and stream chunks."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.outputs import RequestOutput, TokenLogprob
+from kvserve.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions, with vLLM's extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = Field(1, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_k: int = -1
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = Field(default_factory=list)
+    cache_salt: str | None = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        """Choice i of n gets seed + i, so n > 1 with a seed gives n different but reproducible answers."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=None if self.seed is None else self.seed + choice, max_tokens=max_tokens, stop=stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, logprobs=logprobs,
+            cache_salt=self.cache_salt,
+        )
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict:
+    completion = sum(len(o.token_ids) for o in outputs)
+    cached = max((o.metrics.cached_tokens for o in outputs), default=0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def chat_logprobs(logprobs: list[TokenLogprob], decode) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top.items()]}
+                        for lp in logprobs]}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], decode, start_offset: int) -> dict:
+    tokens = [decode(lp.token_id) for lp in logprobs]
+    offsets, at = [], start_offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{decode(t): v for t, v in lp.top.items()} for lp in logprobs], "text_offset": offsets}
+
+
+def envelope(kind: str, request_id: str, model: str, choices: list[dict], created: int | None = None, **extra) -> dict:
+    return {"id": request_id, "object": kind, "created": created or int(time.time()), "model": model,
+            "choices": choices, **extra}

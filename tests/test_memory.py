@@ -1,0 +1,113 @@
+"""The KV planner reproduces published figures, reads real configs, and rejects bad input clearly."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from kvserve import KVServeError
+from kvserve.entrypoints import cli
+from kvserve.memory import PlanRequest, DEVICES, capacity, kv_bytes, kv_bytes_per_token, load_spec, mha_factor, plan
+
+GiB, KiB, MiB = 2**30, 2**10, 2**20
+
+
+def test_llama_31_405b():
+    spec = load_spec("llama-3.1-405b")
+    assert kv_bytes_per_token(spec) == 1_032_192 == 1008 * KiB
+    assert kv_bytes(spec, 131_072) == 126 * GiB
+    assert mha_factor(spec) == 8
+    assert kv_bytes_per_token(replace(spec, num_kv_heads=128)) == 8 * 1_032_192
+
+
+def test_llama_3_70b_and_8b():
+    spec = load_spec("llama-3-70b")
+    assert kv_bytes_per_token(spec) == 327_680
+    assert [round(kv_bytes(spec, n) / GiB, 1) for n in (8_000, 32_000, 128_000)] == [2.4, 9.8, 39.1]
+    assert kv_bytes_per_token(load_spec("llama-3-8b")) == 128 * KiB
+
+
+def test_llama_2_and_mistral():
+    assert kv_bytes_per_token(load_spec("llama-2-7b")) == 0.5 * MiB
+    assert kv_bytes(load_spec("llama-2-7b"), 4096) == 2 * GiB
+    assert kv_bytes_per_token(load_spec("mistral-7b")) == 0.125 * MiB
+    assert kv_bytes(load_spec("llama-2-13b"), 4096, batch=1) == 3_355_443_200
+
+
+def test_deepseek_v3_mla():
+    spec = load_spec("deepseek-v3")
+    assert kv_bytes_per_token(spec) == 70_272
+    gqa16 = replace(spec, kv_lora_rank=0, qk_rope_head_dim=0, num_kv_heads=16, head_dim=128)
+    assert 6.5 < kv_bytes_per_token(gqa16) / kv_bytes_per_token(spec) < 7.5
+    assert spec.num_params() == pytest.approx(671e9, rel=0.01)
+
+
+def test_sliding_window_layers_hold_at_most_their_window():
+    spec = load_spec("gemma-3-270m")  # 18 layers, 15 local with a 512-token window, MQA, head_dim 256
+    per_layer = 2 * 1 * 256 * 2
+    assert kv_bytes(spec, 100) == 18 * 100 * per_layer
+    assert kv_bytes(spec, 32_768) == (3 * 32_768 + 15 * 512) * per_layer
+
+
+def test_quantized_dtypes_count_their_scales():
+    spec = load_spec("llama-3-8b")  # 2 * 8 * 128 = 2048 values per layer per token
+    assert kv_bytes_per_token(spec, "fp8") == 32 * 2048
+    assert kv_bytes_per_token(spec, "int8", group_size=32) == 32 * (2048 + 64 * 2)
+    assert kv_bytes_per_token(spec, "int4", group_size=64) == 32 * (1024 + 32 * 4)
+    assert kv_bytes_per_token(spec, "2bit", group_size=32) == 32 * (512 + 64 * 4)
+
+
+def test_capacity_on_devices():
+    spec = load_spec("llama-3-8b")
+    cap = capacity(spec, 80 * 10**9, [8192], "bf16", utilization=0.9)
+    assert cap.weight_bytes == spec.num_params() * 2 and spec.num_params() == pytest.approx(8.03e9, rel=0.01)
+    assert cap.max_requests[8192] == int((72 * 10**9 - cap.weight_bytes) // (8192 * 128 * KiB))
+    huge = capacity(load_spec("llama-3.1-405b"), 80 * 10**9, [4096])
+    assert huge.kv_budget < 0 and huge.max_requests[4096] == 0
+
+
+def test_roofline_decode_memory_bound_prefill_compute_bound():
+    report = plan(load_spec("llama-3-70b"), DEVICES["h100-80gb"], PlanRequest(batches=[1], contexts=[4096], num_devices=8))
+    r = report["roofline"]
+    assert r["decode"]["bound"] == "memory" and r["prefill"]["bound"] == "compute"
+    weights = load_spec("llama-3-70b").num_params() * 2
+    assert r["decode_tokens_per_s_bound"] < 8 * 3.35e12 / weights
+
+
+def test_reads_hf_config_gguf_and_builtin(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256,
+                                                      "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000}))
+    assert kv_bytes_per_token(load_spec(str(tmp_path))) == 2 * 4 * 2 * 32 * 2
+    smol = load_spec("smollm2-135m")  # the GGUF file's metadata
+    assert (smol.num_layers, smol.num_heads, smol.num_kv_heads, smol.head_dim) == (30, 9, 3, 64)
+    assert kv_bytes_per_token(smol, "fp32") == 2 * 30 * 3 * 64 * 4
+
+
+def test_engine_sizes_its_pool_with_the_planner(tiny_model_dir):
+    from kvserve import LLM
+
+    llm = LLM(str(tiny_model_dir), kv_cache_memory="1MiB", block_size=8)
+    per_token = kv_bytes_per_token(load_spec(str(tiny_model_dir)), "fp32")
+    assert llm.engine.block_manager.num_blocks == MiB // (8 * per_token)
+
+
+@pytest.mark.parametrize("source,message", [("no-such-model", "is not a preset"), ("bad.json", "cannot read"),
+                                            ("empty.json", "lacks a field")])
+def test_bad_configs(tmp_path, monkeypatch, source, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(KVServeError, match=message):
+        load_spec(source)
+
+
+def test_cli_json_table_and_plot(tmp_path, capsys):
+    assert cli.main(["memory", "llama-3-70b", "--json", "--contexts", "8000", "--batch", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["kv"]["bf16"]["bytes_per_token"] == 327_680
+    assert cli.main(["memory", "mistral-7b", "--device", "a100-80gb", "--plot", str(tmp_path / "kv.png")]) == 0
+    assert "Roofline" in capsys.readouterr().out and (tmp_path / "kv.png").stat().st_size > 1000
+    assert cli.main(["memory", "mistral-7b", "--kv-dtype", "int3"]) == 2
+    assert "unknown KV dtype 'int3'" in capsys.readouterr().err
+    assert cli.main(["memory", "mistral-7b", "--device", "tpu"]) == 2

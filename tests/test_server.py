@@ -1,0 +1,177 @@
+"""The OpenAI-compatible server, driven by the official openai client and raw HTTP on 127.0.0.1."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_utils import kv_usage, running_server
+
+LONG_SYSTEM = "You are a helpful assistant who answers questions about geography briefly and precisely. " * 4
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("smollm2-135m", kv_cache_memory="256MiB") as (url, app):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+def chat(client, content: str, **kw):
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": content}]
+    return client.chat.completions.create(model="test-model", messages=messages, **kw)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["test-model"]
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_chat_non_streaming_and_cached_usage(client):
+    first = chat(client, "What is the capital of France?", temperature=0, max_tokens=20)
+    assert "Paris" in first.choices[0].message.content
+    assert first.choices[0].finish_reason in ("stop", "length")
+    u = first.usage
+    assert u.prompt_tokens > 32 and 0 < u.completion_tokens <= 20
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    again = chat(client, "What is the capital of France?", temperature=0, max_tokens=20)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def test_chat_streaming_with_usage(client):
+    stream = chat(client, "Name a color.", temperature=0, max_tokens=12, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    plain = chat(client, "Name a color.", temperature=0, max_tokens=12)
+    assert text == plain.choices[0].message.content
+
+
+def test_completions_streamed_and_not(client):
+    full = client.completions.create(model="test-model", prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert full.object == "text_completion" and full.usage.completion_tokens == 8
+    streamed = client.completions.create(model="test-model", prompt="The capital of France is", max_tokens=8,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == full.choices[0].text
+
+
+def test_n_greater_than_one_and_seed(client):
+    kw = dict(model="test-model", prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=123, n=3,
+              extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1
+    assert a.usage.completion_tokens == 30
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model="test-model", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    stop = full.choices[0].text.strip().split(",")[1].strip()
+    cut = client.completions.create(model="test-model", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+
+
+def test_logprobs(client):
+    out = chat(client, "Say yes.", temperature=0, max_tokens=4, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens and len(content[0].top_logprobs) == 2
+    comp = client.completions.create(model="test-model", prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
+    assert len(comp.choices[0].logprobs.token_logprobs) == 3
+
+
+def test_32_concurrent_streams_equal_alone(server):
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(32)]
+    aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused")
+
+    async def one(prompt: str) -> str:
+        stream = await aclient.completions.create(model="test-model", prompt=prompt, max_tokens=12, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def run_all():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    together = asyncio.run(run_all())
+    alone = [asyncio.run(one(p)) for p in prompts[:6]]
+    assert together[:6] == alone
+    assert all(len(t) > 0 for t in together)
+
+
+def test_disconnect_mid_stream_frees_kv(server):
+    idle = kv_usage(server)
+    body = {"model": "test-model", "prompt": "Tell me a very long story.", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i > 6:
+                break
+        assert kv_usage(server) > idle
+    deadline = time.time() + 20
+    while kv_usage(server) != idle:
+        assert time.time() < deadline, "the aborted request kept its KV blocks"
+        time.sleep(0.1)
+
+
+BAD = [
+    ({"model": "test-model", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens must be >= 1"),
+    ({"model": "test-model", "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "test-model", "prompt": "hi", "temperature": -0.1}, 400, "temperature must be >= 0"),
+    ({"model": "test-model", "prompt": "hi", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
+    ({"model": "test-model", "prompt": "word " * 9000}, 400, "the prompt has 9000 tokens"),
+    ({"model": "test-model", "prompt": "hi", "max_tokens": 100000}, 400, "max_tokens 100000 is too large"),
+    ({"model": "test-model", "prompt": 42}, 400, "prompt"),
+    ({"model": "test-model", "prompt": ""}, 400, "empty"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "The model `gpt-4` does not exist"),
+    ({"model": "test-model"}, 400, "prompt: Field required"),
+]
+
+
+@pytest.mark.parametrize("body,status,message", BAD)
+def test_bad_completion_requests(server, body, status, message):
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    assert r.status_code == status and message in r.json()["error"]["message"], r.text
+    assert httpx.post(f"{server}/v1/completions", json={"model": "test-model", "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("body,message", [({"model": "test-model", "messages": []}, "messages"),
+                                          ({"model": "test-model", "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+                                          ({"model": "test-model", "messages": "hello"}, "messages")])
+def test_bad_chat_requests(server, body, message):
+    r = httpx.post(f"{server}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+
+
+def test_malformed_json(server):
+    r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_tokenize_detokenize(server):
+    ids = httpx.post(f"{server}/tokenize", json={"prompt": "Hello world"}).json()
+    assert ids["count"] == len(ids["tokens"]) > 0
+    assert httpx.post(f"{server}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"] == "Hello world"
+    assert httpx.post(f"{server}/detokenize", json={"tokens": [-5]}).status_code == 400
+
+
+def test_metrics_exposed(server):
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("kvserve:time_to_first_token_seconds_bucket", "kvserve:inter_token_latency_seconds_bucket",
+                 "kvserve:e2e_request_latency_seconds_count", "kvserve:request_queue_time_seconds_count",
+                 "kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
+                 "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total", "kvserve:prefix_cache_queries_total",
+                 "kvserve:prefix_cache_hits_total", "kvserve:num_preemptions_total", "kvserve:request_success_total"):
+        assert name in text, name
+    hits = [l for l in text.splitlines() if l.startswith("kvserve:prefix_cache_hits_total")]
+    assert float(hits[0].split()[-1]) > 0
