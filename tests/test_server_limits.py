@@ -59,7 +59,8 @@ def test_sigterm_shuts_down_cleanly(tiny_model_dir):
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        assert "Traceback" not in proc.stderr.read()
+        log = proc.stderr.read()
+        assert "Application shutdown complete" in log and "Traceback" not in log
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from kvserve.config import EngineConfig
@@ -117,6 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     app = create_app(engine, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting)
     print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} (KV pool {engine.kv_usage()['total_bytes'] / 2**20:.0f} MiB, "
           f"{engine.block_manager.num_blocks} blocks of {engine.config.block_size} tokens)", file=sys.stderr)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it: exit 0 rather than die by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -108,9 +108,7 @@ class Server:
                 params = req.sampling_params(tokens, logprobs, j)
                 self.engine.check_request(ids, params)
                 jobs.append((ids, params))
-        waiting = self.async_engine.num_waiting
-        if waiting + len(jobs) > self.async_engine.max_waiting:
-            raise QueueFullError(f"the server is busy: {waiting} requests are waiting (limit {self.async_engine.max_waiting})")
+        self.async_engine.check_capacity(len(jobs))
         request_id = new_id(prefix)
         return request_id, [self.async_engine.generate(f"{request_id}-{k}", ids, params) for k, (ids, params) in enumerate(jobs)]
 

@@ -57,11 +57,11 @@ class AsyncEngine:
         return len(self.engine.scheduler.waiting) + self._commands.qsize()
 
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as its tokens arrive; leaving early (a disconnect) aborts it."""
+        """Outputs of one request as its tokens arrive; leaving early (a disconnect) aborts it.
+
+        The caller has validated the request and checked the waiting bound (see `check_capacity`)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        if self.num_waiting >= self.max_waiting:
-            raise QueueFullError(f"{self.num_waiting} requests are waiting (the limit is {self.max_waiting})")
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         self._commands.put(("add", request_id, token_ids, params))
@@ -77,6 +77,10 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(("abort", request_id))
+
+    def check_capacity(self, new_requests: int) -> None:
+        if self.num_waiting + new_requests > self.max_waiting:
+            raise QueueFullError(f"the server is busy: {self.num_waiting} requests are waiting (limit {self.max_waiting})")
 
     async def snapshot(self) -> dict:
         """The block pool as the engine thread sees it between two steps."""
