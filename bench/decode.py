@@ -69,9 +69,9 @@ def main() -> None:
     print(f"  kvserve (no_cache)      {no_cache:8.1f} tok/s")
     print(f"  transformers generate   {hf:8.1f} tok/s")
     print("no_cache step time by output position (the whole sequence is recomputed each step):")
-    for pos in (16, 64, 128):
-        if pos <= len(steps):
-            print(f"  position {pos:4d}: {steps[pos - 1] * 1000:7.1f} ms")
+    for pos in (16, 64, 128):  # steps[i] is the gap before output token i + 2
+        if 2 <= pos <= len(steps) + 1:
+            print(f"  position {pos:4d}: {steps[pos - 2] * 1000:7.1f} ms")
     print(f"ratio kvserve cache / transformers: {with_cache / hf:.2f}x")
     print(f"ratio kvserve cache / no_cache:     {with_cache / no_cache:.2f}x")
 

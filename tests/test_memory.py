@@ -41,6 +41,7 @@ def test_deepseek_v3_mla():
     gqa16 = replace(spec, kv_lora_rank=0, qk_rope_head_dim=0, num_kv_heads=16, head_dim=128)
     assert 6.5 < kv_bytes_per_token(gqa16) / kv_bytes_per_token(spec) < 7.5
     assert spec.num_params() == pytest.approx(671e9, rel=0.01)
+    assert spec.active_params() == pytest.approx(37e9, rel=0.03)  # DeepSeek's published activated parameters
 
 
 def test_sliding_window_layers_hold_at_most_their_window():

@@ -73,13 +73,14 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    add_special_tokens: bool = True) -> str:
+                    add_special_tokens: bool = True, prompt_text: str | None = None) -> str:
+        """Queue a request; `prompt_text` names the text of a prompt passed already tokenized."""
         token_ids = self.tokenize(prompt, add_special_tokens)
         self.check_request(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.sequences:
             raise KVServeError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params)
+        seq = Sequence(request_id, prompt if isinstance(prompt, str) else prompt_text, token_ids, params)
         self.sequences[request_id] = seq
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)

@@ -36,7 +36,8 @@ class LLM:
         token_ids = [self.engine.tokenize(p, add_special_tokens) for p in prompts]
         for ids in token_ids:  # reject a bad prompt before any work starts
             self.engine.check_request(ids, params)
-        ids = [self.engine.add_request(p, params, add_special_tokens=add_special_tokens) for p in prompts]
+        ids = [self.engine.add_request(t, params, prompt_text=p if isinstance(p, str) else None)
+               for p, t in zip(prompts, token_ids)]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
             prefill = decode = seconds = 0.0

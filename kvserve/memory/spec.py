@@ -32,6 +32,7 @@ class ModelSpec:
     layer_types: tuple[str, ...] = ()
     # mixture of experts (only the parameter count depends on these)
     num_experts: int = 0
+    experts_per_token: int = 0
     num_shared_experts: int = 0
     moe_intermediate_size: int = 0
     num_dense_layers: int = 0
@@ -77,10 +78,10 @@ class ModelSpec:
                    + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp)
 
     def active_params(self) -> int:
-        """Parameters one token goes through (MoE: the routed top-k are not known here, so all shared + 8)."""
+        """Parameters one token goes through: for MoE, the shared experts and its top-k routed ones."""
         if not self.num_experts:
             return self.num_params()
-        h, routed = self.hidden_size, 8
+        h, routed = self.hidden_size, self.experts_per_token or self.num_experts
         unused = (self.num_experts - routed) * 3 * h * self.moe_intermediate_size * (self.num_layers - self.num_dense_layers)
         return self.num_params() - unused
 
@@ -116,6 +117,7 @@ def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
             q_lora_rank=cfg.get("q_lora_rank") or 0,
             sliding_window=window, layer_types=layer_types if window else (),
             num_experts=cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0,
+            experts_per_token=cfg.get("num_experts_per_tok") or 0,
             num_shared_experts=cfg.get("n_shared_experts") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size", 0),
             num_dense_layers=cfg.get("first_k_dense_replace") or 0,
@@ -180,7 +182,7 @@ PRESETS: dict[str, dict] = {
                      "sliding_window_pattern": 6},
     "deepseek-v3": {**_llama(61, 7168, 128, 128, 18432, 129280, 163840), "kv_lora_rank": 512, "qk_rope_head_dim": 64,
                     "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 1536, "n_routed_experts": 256,
-                    "n_shared_experts": 1, "moe_intermediate_size": 2048, "first_k_dense_replace": 3},
+                    "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "first_k_dense_replace": 3},
 }
 
 
