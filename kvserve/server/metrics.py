@@ -13,14 +13,12 @@ class Metrics:
         self.registry = CollectorRegistry()
         labels, r = {"model_name": model}, self.registry
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(f"kvserve:{name}", doc, ["model_name"], registry=r, buckets=LATENCY_BUCKETS).labels(**labels)
+        def metric(kind, name: str, doc: str, **options):
+            return kind(f"kvserve:{name}", doc, ["model_name"], registry=r, **options).labels(**labels)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"kvserve:{name}", doc, ["model_name"], registry=r).labels(**labels)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"kvserve:{name}", doc, ["model_name"], registry=r).labels(**labels)
+        histogram = lambda name, doc: metric(Histogram, name, doc, buckets=LATENCY_BUCKETS)  # noqa: E731
+        counter = lambda name, doc: metric(Counter, name, doc)  # noqa: E731
+        gauge = lambda name, doc: metric(Gauge, name, doc)  # noqa: E731
 
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first output token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens of a request.")
