@@ -168,7 +168,9 @@ def test_tokenize_detokenize(server):
     assert httpx.post(f"{server}/detokenize", json={"tokens": [-5]}).status_code == 400
 
 
-def test_metrics_exposed(server):
+def test_metrics_exposed(server, client):
+    for _ in range(2):  # a repeated long prompt, so the prefix-cache hit counter moves
+        chat(client, "Name a river.", temperature=0, max_tokens=2)
     text = httpx.get(f"{server}/metrics").text
     for name in ("kvserve:time_to_first_token_seconds_bucket", "kvserve:inter_token_latency_seconds_bucket",
                  "kvserve:e2e_request_latency_seconds_count", "kvserve:request_queue_time_seconds_count",
