@@ -123,7 +123,7 @@ class AsyncEngine:
                 self._send(request_id, e)
         elif kind == "abort":
             if command[1] in self.engine.sequences:
-                self.engine.abort_request(command[1])
+                self._abort(command[1])
                 self.metrics.record_finished("abort")
                 self._update_gauges()
         elif kind == "snapshot":
@@ -164,9 +164,13 @@ class AsyncEngine:
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.sequences):
-            self.engine.abort_request(request_id)
+            self._abort(request_id)
             self._send(request_id, EngineDeadError(f"the engine failed on this request's step: {error}"))
         self._update_gauges()
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self.recent.last_token.pop(request_id, None)  # else every aborted request would stay in it
 
     def _send(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)
