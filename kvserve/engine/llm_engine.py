@@ -72,6 +72,17 @@ class LLMEngine:
             raise KVServeError(f"{self.config.model} has no tokenizer; pass prompts as lists of token ids")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The conversation as prompt text, ending where the assistant's answer starts."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise KVServeError(f"{self.config.model} has no chat template")
+        if not messages:
+            raise KVServeError("messages must not be empty")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # templates raise jinja errors for conversations they do not accept
+            raise KVServeError(f"the chat template rejected these messages: {e}") from e
+
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     add_special_tokens: bool = True, prompt_text: str | None = None) -> str:
         """Queue a request; `prompt_text` names the text of a prompt passed already tokenized."""

@@ -73,8 +73,4 @@ class LLM:
         return self.generate(prompts, params, use_tqdm=use_tqdm, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[Message]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise KVServeError(f"{self.engine.config.model} has no chat template")
-        if not messages:
-            raise KVServeError("messages must not be empty")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.engine.apply_chat_template(messages)

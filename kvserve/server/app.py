@@ -87,14 +87,7 @@ class Server:
         return self.engine.tokenizer.decode([token_id]) if self.engine.tokenizer else str(token_id)
 
     def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, f"the model {self.model_name} has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # the template raises jinja errors for conversations it does not accept
-            raise APIError(400, f"the chat template rejected these messages: {e}") from e
+        text = self.engine.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
         return self.engine.tokenize(text, add_special_tokens=False)
 
     def submit(self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
