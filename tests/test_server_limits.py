@@ -12,7 +12,7 @@ import pytest
 
 from tests.server_utils import free_port, running_server
 
-BODY = {"model": "test-model", "prompt": [1, 2, 3, 4], "max_tokens": 3}
+BODY = {"model": "test-model", "prompt": [1, 2, 3, 4], "max_tokens": 3, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
