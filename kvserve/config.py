@@ -104,6 +104,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     scheduler: str = "continuous"
     use_kv_cache: bool = True
+    gguf_kernels: bool = True  # few-token steps read a GGUF file's own 4/8-bit blocks (CPU, float32)
     seed: int = 0
 
     def validate(self) -> None:

@@ -12,7 +12,8 @@ from kvserve.errors import KVServeError
 from kvserve.layers.attention import AttentionGroup, ForwardContext
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import Checkpoint, load_weights
+from kvserve.kernels import gguf_ops
+from kvserve.models.loader import Checkpoint, load_gguf_blocks, load_weights
 
 
 @dataclass(slots=True)
@@ -27,6 +28,10 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig, max_model_len: int, num_blocks: int):
         self.config, self.device = config, torch.device(config.device)
         self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device)
+        if config.gguf_kernels and self.device.type == "cpu" and config.dtype == "float32":
+            blocks = load_gguf_blocks(checkpoint)
+            if blocks and gguf_ops():  # compiled on first use only
+                self.model.attach_gguf_blocks(blocks)
         self.kv_cache = KVCache(checkpoint.config, num_blocks, config.block_size, config.torch_dtype, config.device)
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
 

@@ -17,7 +17,9 @@ import torch
 
 from kvserve.errors import KVServeError
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+BLOCKS_FILE = "gguf_blocks.safetensors"  # the file's own 4/8-bit blocks, for kvserve.kernels
+_KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -83,14 +85,19 @@ def _convert(gguf_path: Path, out: Path) -> None:
 
     reader = gguf.GGUFReader(gguf_path)
     config = _hf_config(reader)
-    weights = {}
+    weights, blocks = {}, {}
     for tensor in reader.tensors:
         name, array = _hf_name(tensor.name), gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        raw = np.asarray(tensor.data).reshape(array.shape[0], -1) if tensor.tensor_type.name in _KERNEL_TYPES else None
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             array = _unpermute_rope(array, heads)
+            raw = None if raw is None else _unpermute_rope(raw, heads)  # whole rows move, blocks and all
         weights[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        if raw is not None:
+            blocks[name] = torch.from_numpy(np.array(raw, dtype=np.uint8))
     save_file(weights, out / "model.safetensors")
+    save_file(blocks, out / BLOCKS_FILE)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(gguf_path, out)
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.layers.attention import ForwardContext, paged_attention
+from kvserve.layers.linear import Linear
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -24,8 +25,8 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.heads, self.kv_heads, self.head_dim = layer, config.num_heads, config.num_kv_heads, config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=False)
+        self.o_proj = Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -40,8 +41,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -68,7 +69,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -88,14 +89,30 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def attach_gguf_blocks(self, blocks: dict[str, torch.Tensor]) -> int:
+        """Give each linear layer its GGUF blocks (by HF name) where the file has them; returns how many got them."""
+        fused = _fuse_hf_weights(blocks, self.config)
+        layers = [(name, m) for name, m in self.named_modules() if isinstance(m, Linear) and f"{name}.weight" in fused]
+        for name, module in layers:
+            module.blocks = fused[f"{name}.weight"]
+            assert module.blocks.shape[0] == module.out_features
+        return len(layers)
+
 
 def _fuse_hf_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename and fuse q/k/v and gate/up; parts that are missing or of unequal width are left unfused."""
     w = {k.removeprefix("model."): v for k, v in weights.items() if "rotary_emb" not in k}
     if config.tie_word_embeddings:
         w.pop("lm_head.weight", None)
-        w["lm_head.weight"] = w["embed_tokens.weight"]
+        if "embed_tokens.weight" in w:
+            w["lm_head.weight"] = w["embed_tokens.weight"]
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        w[p + "self_attn.qkv_proj.weight"] = torch.cat([w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        w[p + "mlp.gate_up_proj.weight"] = torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
+        _fuse(w, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], p + "self_attn.qkv_proj.weight")
+        _fuse(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up_proj.weight")
     return w
+
+
+def _fuse(w: dict[str, torch.Tensor], parts: list[str], name: str) -> None:
+    if all(p in w for p in parts) and len({w[p].shape[1:] for p in parts}) == 1:
+        w[name] = torch.cat([w.pop(p) for p in parts])

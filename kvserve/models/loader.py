@@ -9,7 +9,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import KVServeError
-from kvserve.models.gguf_convert import converted_dir
+from kvserve.models.gguf_convert import BLOCKS_FILE, converted_dir
 from kvserve.models.registry import resolve_model_path
 
 
@@ -35,14 +35,26 @@ def open_checkpoint(model: str) -> Checkpoint:
 def load_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    directory = checkpoint.path if checkpoint.path.is_dir() else converted_dir(checkpoint.path)
-    files = sorted(directory.glob("*.safetensors"))
+    directory = _weights_dir(checkpoint)
+    files = [f for f in sorted(directory.glob("*.safetensors")) if f.name != BLOCKS_FILE]
     if not files:
         raise KVServeError(f"no *.safetensors files in {directory}")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(file))
     return weights
+
+
+def load_gguf_blocks(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """A GGUF checkpoint's Q4_0/Q4_1/Q8_0 weights as their raw blocks [rows, bytes], by HF name; {} for others."""
+    from safetensors.torch import load_file
+
+    file = _weights_dir(checkpoint) / BLOCKS_FILE
+    return load_file(file) if checkpoint.path.suffix == ".gguf" and file.is_file() else {}
+
+
+def _weights_dir(checkpoint: Checkpoint) -> Path:
+    return checkpoint.path if checkpoint.path.is_dir() else converted_dir(checkpoint.path)
 
 
 def _load_tokenizer(directory: Path):

@@ -1,0 +1,24 @@
+"""A linear layer that can also hold its weight as the GGUF file's own blocks.
+
+Decoding reads every weight once per step, so it is memory-bound: a step of a few tokens multiplies
+against the 4/8-bit blocks (kvserve.kernels), while prefill, compute-bound, uses the fp32 copy.
+Both hold the same values, so the outputs agree to float rounding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.kernels import gguf_ops
+
+MAX_BLOCK_ROWS = 32  # up to here the blocks beat the fp32 GEMM (1.2x at 32 rows, even at 48 on a 2-core Zen 1)
+
+
+class Linear(nn.Linear):
+    blocks: torch.Tensor | None = None  # [out_features, bytes per row] Q4_0/Q4_1/Q8_0 blocks of `weight`
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None and x.shape[0] <= MAX_BLOCK_ROWS:
+            return gguf_ops().gguf_matmul(x, self.blocks)
+        return F.linear(x, self.weight, self.bias)
