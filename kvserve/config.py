@@ -104,7 +104,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     scheduler: str = "continuous"
     use_kv_cache: bool = True
-    gguf_kernels: bool = True  # few-token steps read a GGUF file's own 4/8-bit blocks (CPU, float32)
+    native_kernels: bool = True  # CPU fp32: kvserve.kernels for decode attention and a GGUF file's own 4/8-bit blocks
     seed: int = 0
 
     def validate(self) -> None:

@@ -1,17 +1,18 @@
-"""The GGUF-block matmul equals fp32 math on the dequantized weights, and the engine gives the same answers with it."""
+"""kvserve.kernels: the GGUF-block matmul and paged decode attention equal plain torch, and the engine answers the same with them."""
 from __future__ import annotations
 
 import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvserve import LLM
-from kvserve.kernels import gguf_ops
+from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear
 from tests.conftest import greedy
 
-pytestmark = pytest.mark.skipif(gguf_ops() is None, reason="no AVX2 CPU or no C++ compiler")
+pytestmark = pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
 TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
 
 
@@ -22,7 +23,7 @@ def test_matmul_equals_dequantized_fp32(qtype, rows):
     blocks = gguf.quants.quantize(rng.standard_normal((80, 192)).astype(np.float32), qtype)
     weight = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
-    out = gguf_ops().gguf_matmul(x, torch.from_numpy(blocks))
+    out = native_ops().gguf_matmul(x, torch.from_numpy(blocks))
     torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-4)
 
 
@@ -38,13 +39,38 @@ def test_linear_uses_blocks_only_for_few_rows():
 
 def test_unsupported_block_size_is_a_clear_error():
     with pytest.raises(RuntimeError, match="unsupported GGUF block of 22 bytes"):
-        gguf_ops().gguf_matmul(torch.randn(1, 64), torch.zeros(4, 44, dtype=torch.uint8))
+        native_ops().gguf_matmul(torch.randn(1, 64), torch.zeros(4, 44, dtype=torch.uint8))
 
 
 def test_smollm2_decodes_the_same_with_and_without_blocks(smollm2):
     assert sum(getattr(m, "blocks", None) is not None for m in smollm2.engine.runner.model.modules()) == 121
-    plain = LLM("smollm2-135m", gguf_kernels=False, kv_cache_memory="64MiB")
+    plain = LLM("smollm2-135m", native_kernels=False, kv_cache_memory="64MiB")
     assert not any(getattr(m, "blocks", None) is not None for m in plain.engine.runner.model.modules())
     prompts = ["The three primary colors are", "def fibonacci(n):"]
     assert [o.token_ids for o in smollm2.generate(prompts, greedy(24), use_tqdm=False)] == \
         [o.token_ids for o in plain.generate(prompts, greedy(24), use_tqdm=False)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_paged_decode_attention_equals_sdpa(heads, kv_heads):
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    block_size, dim, lens = 8, 24, [1, 7, 8, 23]  # dim 24: vector loop plus no tail; lengths end mid-block and on one
+    k_cache, v_cache = (torch.randn(16, block_size, kv_heads, dim, generator=g) for _ in range(2))
+    tables = torch.randperm(16, generator=g)[:12].view(len(lens), 3)  # scattered, non-contiguous blocks
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    out = native_ops().paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3)
+    for b, n in enumerate(lens):
+        keys, values = (c[tables[b]].flatten(0, 1)[:n].transpose(0, 1) for c in (k_cache, v_cache))  # [KVH, n, D]
+        expected = F.scaled_dot_product_attention(q[b, :, None], keys, values, scale=0.3, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(out[b], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_rejects_lengths_past_the_table():
+    cache = torch.zeros(4, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="context length 9 does not fit 2 blocks"):
+        native_ops().paged_decode_attention(torch.zeros(1, 1, 8), cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]), 1.0)
+
+
+def test_rms_norm_equals_torch():
+    x, w = torch.randn(5, 3, 96), torch.randn(96)
+    torch.testing.assert_close(native_ops().rms_norm(x, w, 1e-6), F.rms_norm(x, (96,), w, 1e-6))

@@ -12,7 +12,7 @@ from kvserve.errors import KVServeError
 from kvserve.layers.attention import AttentionGroup, ForwardContext
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.kernels import gguf_ops
+from kvserve.kernels import native_ops
 from kvserve.models.loader import Checkpoint, load_gguf_blocks, load_weights
 
 
@@ -28,10 +28,9 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig, max_model_len: int, num_blocks: int):
         self.config, self.device = config, torch.device(config.device)
         self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device)
-        if config.gguf_kernels and self.device.type == "cpu" and config.dtype == "float32":
-            blocks = load_gguf_blocks(checkpoint)
-            if blocks and gguf_ops():  # compiled on first use only
-                self.model.attach_gguf_blocks(blocks)
+        self.native = config.native_kernels and self.device.type == "cpu" and config.dtype == "float32" and native_ops()
+        if self.native:
+            self.model.use_native_kernels(load_gguf_blocks(checkpoint))
         self.kv_cache = KVCache(checkpoint.config, num_blocks, config.block_size, config.torch_dtype, config.device)
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
 
@@ -67,7 +66,8 @@ class ModelRunner:
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                          if s.num_computed_tokens + n == s.num_tokens]
         logits_index = offsets[sampling_rows] + real_counts[sampling_rows] - 1
-        ctx = ForwardContext(positions.to(dev), slot_mapping.to(dev), [g.to(dev) for g in groups], self.kv_cache)
+        decode_kernel = bool(self.native) and self.config.scheduler == "continuous"  # static keeps padded rectangles
+        ctx = ForwardContext(positions.to(dev), slot_mapping.to(dev), [g.to(dev) for g in groups], self.kv_cache, decode_kernel)
         return StepInputs(input_ids.to(dev), ctx, logits_index.to(dev), sampling_rows)
 
 
@@ -83,7 +83,7 @@ def _group(rows: torch.Tensor, starts, counts, offsets, tables, bs: int) -> Atte
     query_index = offset[:, None] + last
     valid = q[None, :] < count[:, None]
     return AttentionGroup(query_index, valid, tables[rows, :num_blocks], None if bool(causal.all()) else causal.unsqueeze(1),
-                          query_index[valid])
+                          query_index[valid], start + count)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device) -> LlamaForCausalLM:

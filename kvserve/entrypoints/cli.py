@@ -24,8 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
-    parser.add_argument("--no-gguf-kernels", action="store_true",
-                        help="decode with fp32 copies of a GGUF file's weights instead of its 4/8-bit blocks")
+    parser.add_argument("--no-native-kernels", action="store_true",
+                        help="plain torch only: no paged decode-attention kernel, fp32 copies of GGUF weights")
     parser.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -35,7 +35,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode, use_kv_cache=not args.no_kv_cache,
-        gguf_kernels=not args.no_gguf_kernels, seed=args.seed,
+        native_kernels=not args.no_native_kernels, seed=args.seed,
     )
 
 

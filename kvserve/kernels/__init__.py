@@ -1,4 +1,7 @@
-"""Native CPU kernels, compiled on first use by torch's cpp_extension (which caches the build)."""
+"""Native CPU kernels (AVX2), compiled on first use by torch's cpp_extension, which caches the build.
+
+They register as torch ops under torch.ops.kvserve: gguf_matmul, paged_decode_attention, rms_norm.
+"""
 from __future__ import annotations
 
 import functools
@@ -9,19 +12,21 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
+SOURCES = ["gguf_matmul.cpp", "paged_attention.cpp", "rms_norm.cpp"]
 
 
 @functools.cache
-def gguf_ops():
-    """The compiled GGUF-block matmul, or None where it cannot be built; callers then use fp32 weights."""
+def native_ops():
+    """The `torch.ops.kvserve` namespace, or None where the kernels cannot be built (callers use plain torch)."""
     if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="kvserve_gguf_matmul", sources=[str(Path(__file__).with_name("gguf_matmul.cpp"))],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        here = Path(__file__).parent
+        load(name="kvserve_kernels", sources=[str(here / s) for s in SOURCES], is_python_module=False,
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        return torch.ops.kvserve
     except Exception as e:  # no compiler or headers: slower, never wrong
-        logger.warning("GGUF matmul kernel unavailable (%s); using fp32 weights", e)
+        logger.warning("kvserve kernels unavailable (%s); using plain torch", e)
         return None

@@ -2,9 +2,13 @@
 // 4- or 8-bit weights, dequantized in registers. Decoding is memory-bound, so reading 4.5-8.5 bits per
 // weight instead of 32 is the whole point; the result equals fp32 math on the dequantized weights up
 // to summation order.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <immintrin.h>
+#include <torch/library.h>
+
+#include <vector>
 
 namespace {
 
@@ -85,19 +89,21 @@ void matmul(const float* x, const uint8_t* w, const float* xsum, int64_t M, int6
 }  // namespace
 
 // The block type follows from the row length: 18, 20 or 34 bytes per 32 weights.
-torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "x must be a 2-D fp32 CPU tensor");
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be contiguous uint8 blocks");
-    x = x.contiguous();
+at::Tensor gguf_matmul(const at::Tensor& input, const at::Tensor& w) {
+    TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat && input.device().is_cpu(), "x must be a 2-D fp32 CPU tensor");
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be contiguous uint8 blocks");
+    const at::Tensor x = input.contiguous();
     const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
     TORCH_CHECK(K % QK == 0 && w.size(1) % (K / QK) == 0, "weight blocks do not match K=", K);
     const int64_t bytes = w.size(1) / (K / QK);
     const int type = bytes == block_bytes(Q4_0) ? Q4_0 : bytes == block_bytes(Q4_1) ? Q4_1 : bytes == block_bytes(Q8_0) ? Q8_0 : -1;
     TORCH_CHECK(type != -1, "unsupported GGUF block of ", bytes, " bytes");
-    auto out = torch::empty({M, N}, x.options());
-    const auto xsum = x.view({M, K / QK, QK}).sum(-1).contiguous();
+    at::Tensor out = at::empty({M, N}, x.options());
     const float* xp = x.data_ptr<float>();
-    const float* sp = xsum.data_ptr<float>();
+    std::vector<float> xsum(M * (K / QK));
+    for (int64_t i = 0; i < M * (K / QK); ++i)
+        for (int64_t j = 0; j < QK; ++j) xsum[i] += xp[i * QK + j];
+    const float* sp = xsum.data();
     float* op = out.data_ptr<float>();
     const uint8_t* wp = w.data_ptr<uint8_t>();
     if (type == Q4_0) matmul<Q4_0>(xp, wp, sp, M, K, N, op);
@@ -106,4 +112,4 @@ torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w) {
     return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gguf_matmul", &gguf_matmul, "x @ dequantize(w).T for GGUF blocks"); }
+TORCH_LIBRARY_FRAGMENT(kvserve, m) { m.def("gguf_matmul(Tensor x, Tensor w) -> Tensor", &gguf_matmul); }

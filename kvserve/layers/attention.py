@@ -1,7 +1,8 @@
 """Attention over the paged KV cache for a flattened batch of tokens from many sequences.
 
 The model runner splits a step's sequences into groups (decodes with one query each; prefill chunks)
-and pads each group to a rectangle, so one SDPA call per group covers every sequence in it.
+and pads each group to a rectangle, so one SDPA call per group covers every sequence in it. On CPU,
+decode groups instead go to kvserve.kernels, which reads each sequence's blocks in place.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.engine.kv_cache import KVCache
+from kvserve.kernels import native_ops
 
 
 @dataclass(slots=True)
@@ -20,10 +22,11 @@ class AttentionGroup:
     block_tables: torch.Tensor  # [B, N] each sequence's blocks; keys at positions 0..N*block_size-1
     mask: torch.Tensor | None  # [B, 1, Q, L] bool, True where a query may attend; None: attend to all
     flat_index: torch.Tensor  # flat token index of each valid query, in query_valid order
+    context_lens: torch.Tensor  # [B] keys each sequence has after this step
 
     def to(self, device: torch.device) -> AttentionGroup:
         return AttentionGroup(*(None if t is None else t.to(device) for t in (
-            self.query_index, self.query_valid, self.block_tables, self.mask, self.flat_index)))
+            self.query_index, self.query_valid, self.block_tables, self.mask, self.flat_index, self.context_lens)))
 
 
 @dataclass(slots=True)
@@ -32,6 +35,7 @@ class ForwardContext:
     slot_mapping: torch.Tensor  # [T] where each token's K/V is written
     groups: list[AttentionGroup]
     kv_cache: KVCache
+    decode_kernel: bool = False  # one-query groups use kvserve.kernels' paged decode attention
 
 
 def paged_attention(
@@ -41,6 +45,10 @@ def paged_attention(
     ctx.kv_cache.write(layer, k, v, ctx.slot_mapping)
     out = torch.empty_like(q)
     for group in ctx.groups:
+        if ctx.decode_kernel and group.query_index.shape[1] == 1:
+            out[group.flat_index] = native_ops().paged_decode_attention(
+                q[group.flat_index], ctx.kv_cache.k[layer], ctx.kv_cache.v[layer], group.block_tables, group.context_lens, scale)
+            continue
         keys, values = ctx.kv_cache.read(layer, group.block_tables)
         queries = q[group.query_index].transpose(1, 2)
         o = F.scaled_dot_product_attention(

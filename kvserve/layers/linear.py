@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import gguf_ops
+from kvserve.kernels import native_ops
 
 MAX_BLOCK_ROWS = 32  # up to here the blocks beat the fp32 GEMM (1.2x at 32 rows, even at 48 on a 2-core Zen 1)
 
@@ -20,5 +20,5 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None and x.shape[0] <= MAX_BLOCK_ROWS:
-            return gguf_ops().gguf_matmul(x, self.blocks)
+            return native_ops().gguf_matmul(x, self.blocks)
         return F.linear(x, self.weight, self.bias)
