@@ -52,9 +52,10 @@ def test_smollm2_decodes_the_same_with_and_without_blocks(smollm2):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-def test_paged_decode_attention_equals_sdpa(heads, kv_heads):
+@pytest.mark.parametrize("dim", [20, 64, 72])  # vectors and a scalar tail; one register tile; two tiles
+def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    block_size, dim, lens = 8, 24, [1, 7, 8, 23]  # dim 24: vector loop plus no tail; lengths end mid-block and on one
+    block_size, lens = 8, [1, 7, 8, 23]  # lengths end mid-block and on a block boundary, with 8-key chunks and tails
     k_cache, v_cache = (torch.randn(16, block_size, kv_heads, dim, generator=g) for _ in range(2))
     tables = torch.randperm(16, generator=g)[:12].view(len(lens), 3)  # scattered, non-contiguous blocks
     q = torch.randn(len(lens), heads, dim, generator=g)

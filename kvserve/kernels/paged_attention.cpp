@@ -18,20 +18,50 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// A vector whose lanes sum to a . b.
+inline __m256 dot_lanes(const float* a, const float* b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
-    for (; i < n; ++i) s += a[i] * b[i];
-    return s;
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += a[i] * b[i];
+    return _mm256_add_ps(acc, _mm256_setr_ps(tail, 0, 0, 0, 0, 0, 0, 0));
 }
 
-inline void axpy(float a, const float* x, float* y, int64_t n) {
-    const __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; ++i) y[i] += a * x[i];
+// The lane sums of eight vectors, as one vector: one reduction per eight dot products, not eight.
+inline __m256 hsum8(const __m256 v[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// scores[t] = scale * q . K[t] for the L keys at offsets rows[t].
+void query_scores(const float* q, const float* k, const int64_t* rows, int64_t L, int64_t D, float scale, float* scores) {
+    int64_t t = 0;
+    for (; t + 8 <= L; t += 8) {
+        __m256 partial[8];
+        for (int j = 0; j < 8; ++j) partial[j] = dot_lanes(q, k + rows[t + j], D);
+        _mm256_storeu_ps(scores + t, _mm256_mul_ps(hsum8(partial), _mm256_set1_ps(scale)));
+    }
+    for (; t < L; ++t) scores[t] = hsum(dot_lanes(q, k + rows[t], D)) * scale;
+}
+
+// out = sum_t p[t] * V[t], accumulated in registers 64 columns at a time.
+void weighted_values(const float* p, const float* v, const int64_t* rows, int64_t L, int64_t D, float* out) {
+    for (int64_t c0 = 0; c0 < D; c0 += 64) {
+        const int64_t vecs = std::min<int64_t>(64, D - c0) / 8, tail_end = std::min<int64_t>(64, D - c0);
+        __m256 acc[8];
+        float tail[8] = {};
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < L; ++t) {
+            const float* vt = v + rows[t] + c0;
+            const __m256 pt = _mm256_set1_ps(p[t]);
+            for (int r = 0; r < vecs; ++r) acc[r] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+            for (int64_t c = vecs * 8; c < tail_end; ++c) tail[c - vecs * 8] += p[t] * vt[c];
+        }
+        for (int r = 0; r < vecs; ++r) _mm256_storeu_ps(out + c0 + 8 * r, acc[r]);
+        for (int64_t c = vecs * 8; c < tail_end; ++c) out[c0 + c] = tail[c - vecs * 8];
+    }
 }
 
 // exp for x <= 0 (scores minus their max), Cephes-style: 2^n * p(r), relative error ~1e-7.
@@ -91,18 +121,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     const int64_t G = H / KVH;
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
+        std::vector<int64_t> rows;
         for (int64_t item = begin; item < end; ++item) {
             const int64_t b = item / KVH, g = item % KVH, L = lp[b];
-            const float* qg = qp + (b * H + g * G) * D;
-            float* og = op + (b * H + g * G) * D;
-            auto slot = [&](int64_t t) { return ((tp[b * W + t / bs] * bs + t % bs) * KVH + g) * D; };
-            scores.resize(G * L);
-            for (int64_t t = 0; t < L; ++t)
-                for (int64_t h = 0; h < G; ++h) scores[h * L + t] = dot(qg + h * D, kp + slot(t), D) * float(scale);
-            for (int64_t h = 0; h < G; ++h) softmax(scores.data() + h * L, L);
-            std::fill(og, og + G * D, 0.0f);
-            for (int64_t t = 0; t < L; ++t)
-                for (int64_t h = 0; h < G; ++h) axpy(scores[h * L + t], vp + slot(t), og + h * D, D);
+            rows.resize(L);  // where each position's K/V row for this head starts in the cache
+            for (int64_t t = 0; t < L; ++t) rows[t] = ((tp[b * W + t / bs] * bs + t % bs) * KVH + g) * D;
+            scores.resize(L);
+            for (int64_t h = b * H + g * G; h < b * H + (g + 1) * G; ++h) {
+                query_scores(qp + h * D, kp, rows.data(), L, D, float(scale), scores.data());
+                softmax(scores.data(), L);
+                weighted_values(scores.data(), vp, rows.data(), L, D, op + h * D);
+            }
         }
     });
     return out;
