@@ -31,10 +31,18 @@ def test_linear_uses_blocks_only_for_few_rows():
     blocks = gguf.quants.quantize(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32), TYPES[1])
     layer = Linear(64, 8, bias=False)
     layer.blocks = torch.from_numpy(blocks)  # deliberately not the values of layer.weight: shows which path ran
-    x = torch.randn(40, 64)
+    x = torch.randn(300, 64)
     dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, TYPES[1]).astype(np.float32))
     torch.testing.assert_close(layer(x[:2]), x[:2] @ dequantized.T, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(layer(x), x @ layer.weight.T)
+    torch.testing.assert_close(layer(x[:40]), x[:40] @ layer.weight.T)  # fp32, as W @ x^T
+    torch.testing.assert_close(layer(x), x @ layer.weight.T)  # fp32, as x @ W^T
+
+
+def test_linear_adds_bias_on_both_fp32_paths():
+    layer = Linear(64, 8, bias=True)
+    for rows in (5, 300):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias)
 
 
 def test_unsupported_block_size_is_a_clear_error():

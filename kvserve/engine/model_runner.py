@@ -61,8 +61,9 @@ class ModelRunner:
         owner = torch.repeat_interleave(torch.arange(len(batch)), counts)
         positions = starts[owner] + torch.arange(len(owner)) - offsets[owner]
         slot_mapping = tables[owner, positions // bs] * bs + positions % bs
+        # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
         groups = [_group(rows, starts, counts, offsets, tables, bs)
-                  for rows in (counts == 1, counts > 1) if rows.any()]
+                  for rows in (counts == 1, (counts > 1) & (starts == 0), (counts > 1) & (starts > 0)) if rows.any()]
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                          if s.num_computed_tokens + n == s.num_tokens]
         logits_index = offsets[sampling_rows] + real_counts[sampling_rows] - 1
@@ -82,8 +83,9 @@ def _group(rows: torch.Tensor, starts, counts, offsets, tables, bs: int) -> Atte
     causal = key_pos[None, None, :] <= query_pos[:, :, None]
     query_index = offset[:, None] + last
     valid = q[None, :] < count[:, None]
-    return AttentionGroup(query_index, valid, tables[rows, :num_blocks], None if bool(causal.all()) else causal.unsqueeze(1),
-                          query_index[valid], start + count)
+    from_start = bool((count > 1).all() and (start == 0).all())
+    mask = None if from_start or bool(causal.all()) else causal.unsqueeze(1)
+    return AttentionGroup(query_index, valid, tables[rows, :num_blocks], mask, query_index[valid], start + count, from_start)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device) -> LlamaForCausalLM:

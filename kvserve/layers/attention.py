@@ -20,13 +20,17 @@ class AttentionGroup:
     query_index: torch.Tensor  # [B, Q] flat token index of each query (padding repeats a real one)
     query_valid: torch.Tensor  # [B, Q] bool, False on padding
     block_tables: torch.Tensor  # [B, N] each sequence's blocks; keys at positions 0..N*block_size-1
-    mask: torch.Tensor | None  # [B, 1, Q, L] bool, True where a query may attend; None: attend to all
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool, True where a query may attend; None: see is_causal
     flat_index: torch.Tensor  # flat token index of each valid query, in query_valid order
     context_lens: torch.Tensor  # [B] keys each sequence has after this step
+    # Every sequence starts at position 0, so query i sees keys 0..i: SDPA's own causal mask, which lets
+    # it skip the blocks above the diagonal that an explicit mask would make it compute.
+    is_causal: bool = False
 
     def to(self, device: torch.device) -> AttentionGroup:
         return AttentionGroup(*(None if t is None else t.to(device) for t in (
-            self.query_index, self.query_valid, self.block_tables, self.mask, self.flat_index, self.context_lens)))
+            self.query_index, self.query_valid, self.block_tables, self.mask, self.flat_index, self.context_lens)),
+            self.is_causal)
 
 
 @dataclass(slots=True)
@@ -53,7 +57,7 @@ def paged_attention(
         queries = q[group.query_index].transpose(1, 2)
         o = F.scaled_dot_product_attention(
             queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=group.mask, scale=scale, enable_gqa=True,
+            attn_mask=group.mask, is_causal=group.is_causal, scale=scale, enable_gqa=True,
         )
         out[group.flat_index] = o.transpose(1, 2)[group.query_valid]
     return out
