@@ -17,8 +17,11 @@ import time
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
 from kvserve.models.gguf_convert import converted_dir
 from kvserve.models.registry import resolve_model_path
+
+DEVICE = EngineConfig().torch_device  # kvserve's default device: transformers runs on the same one
 
 
 def kvserve_decode(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
@@ -42,8 +45,8 @@ def _cached_decode(model: str, prompt: list[int], new_tokens: int, native_kernel
 def transformers_decode(model_dir, prompt: list[int], new_tokens: int) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
+    ids = torch.tensor([prompt], device=DEVICE)
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kwargs)  # warm-up
@@ -71,7 +74,7 @@ def main() -> None:
     path = resolve_model_path(args.model)
     hf = transformers_decode(converted_dir(path) if path.suffix == ".gguf" else path, prompt, args.new_tokens)
 
-    print(f"\nbatch-1 decode, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.get_num_threads()} threads")
+    print(f"\nbatch-1 decode, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, {DEVICE}")
     print(f"  kvserve (KV cache)      {with_cache:8.1f} tok/s")
     print(f"  kvserve (plain torch)   {fp32_weights:8.1f} tok/s")
     print(f"  kvserve (no_cache)      {no_cache:8.1f} tok/s")

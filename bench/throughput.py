@@ -17,8 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
 from kvserve.models.gguf_convert import converted_dir
 from kvserve.models.registry import resolve_model_path
+
+DEVICE = EngineConfig().torch_device  # kvserve's default device: transformers runs on the same one
 
 
 @dataclass
@@ -49,14 +52,14 @@ def run_kvserve(name: str, llm: LLM, prompts: list[list[int]], new_tokens: int) 
 def run_transformers(model_dir, prompts: list[list[int]], new_tokens: int, batch_size: int) -> Result:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
     start, generated = time.perf_counter(), 0
     with torch.inference_mode():
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i:i + batch_size]
             width = max(map(len, chunk))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=DEVICE)  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=DEVICE)
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  do_sample=False, pad_token_id=0, eos_token_id=None)
             generated += (out.shape[1] - width) * len(chunk)
@@ -94,7 +97,7 @@ def main() -> None:
 
     lengths = [len(p) for p in prompts]
     print(f"\n{args.num_requests} requests, prompts {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}), "
-          f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {torch.get_num_threads()} threads")
+          f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {torch.get_num_threads()} threads, {DEVICE}")
     for r in results:
         ttft = f"TTFT p50 {percentile(r.ttft, 0.5):6.1f} s  p99 {percentile(r.ttft, 0.99):6.1f} s" if r.ttft else "TTFT n/a"
         waste = f"KV waste {r.kv_waste * 100:5.1f}%" if r.kv_waste is not None else ""

@@ -93,7 +93,7 @@ class EngineConfig:
 
     model: str = "smollm2-135m"
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # "auto": CUDA when torch sees a GPU, else CPU
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
     num_blocks: int | None = None
@@ -122,8 +122,15 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise KVServeError(message)
+        _check_device(self.device)
         if parse_size(self.kv_cache_memory) <= 0:
             raise KVServeError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -133,3 +140,15 @@ class EngineConfig:
     def kv_dtype_name(self) -> str:
         """The planner's name for the KV element type."""
         return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]
+
+
+def _check_device(device: str) -> None:
+    if device in ("auto", "cpu"):
+        return
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise KVServeError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if not torch.cuda.is_available():
+        raise KVServeError(f"device {device!r} was asked for, but torch sees no CUDA GPU (torch {torch.__version__})")
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        raise KVServeError(f"device {device!r} does not exist: torch sees {torch.cuda.device_count()} CUDA GPU(s)")

@@ -20,6 +20,8 @@ CASES = {
     "mistral-head-dim": dict(num_key_value_heads=2, head_dim=32, model_type_override="mistral"),
 }
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 
 def _save(path, overrides):
     overrides = dict(overrides)
@@ -58,14 +60,15 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     return logits
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES)
-def test_logits_match_transformers(tmp_path, case):
-    hf = _save(tmp_path, CASES[case])
-    llm = LLM(str(tmp_path), kv_cache_memory="4MiB")
+def test_logits_match_transformers(tmp_path, case, device):
+    hf = _save(tmp_path, CASES[case]).to(device)
+    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", device=device)
     prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     tokens, logits = step_logits(llm, prompt, 12)
     with torch.no_grad():
-        expected = hf(torch.tensor([prompt + tokens])).logits[0]
+        expected = hf(torch.tensor([prompt + tokens], device=device)).logits[0]
     torch.testing.assert_close(prefill_logits(llm, prompt), expected[: len(prompt)], atol=1e-4, rtol=0)
     torch.testing.assert_close(logits, expected[len(prompt) - 1: -1], atol=1e-4, rtol=0)
     assert tokens == expected[len(prompt) - 1: -1].argmax(-1).tolist()

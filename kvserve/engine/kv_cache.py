@@ -12,7 +12,7 @@ class KVCache:
     a sequence's K/V a whole block at a time through its block table. Keys are stored after RoPE.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str = "cpu"):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)

@@ -26,12 +26,12 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig, max_model_len: int, num_blocks: int):
-        self.config, self.device = config, torch.device(config.device)
+        self.config, self.device = config, config.torch_device
         self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device)
         self.native = config.native_kernels and self.device.type == "cpu" and config.dtype == "float32" and native_ops()
         if self.native:
             self.model.use_native_kernels(load_gguf_blocks(checkpoint))
-        self.kv_cache = KVCache(checkpoint.config, num_blocks, config.block_size, config.torch_dtype, config.device)
+        self.kv_cache = KVCache(checkpoint.config, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
 
     @torch.inference_mode()

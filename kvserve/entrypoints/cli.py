@@ -14,6 +14,7 @@ from kvserve.sampling_params import SamplingParams
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     parser.add_argument("--model", default=d.model, help="built-in name, .gguf file or Hugging Face model directory")
+    parser.add_argument("--device", default=d.device, help="auto (CUDA when present), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default=d.dtype, help="float32, bfloat16 or float16 (weights and KV cache)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool size, e.g. 512MiB or 2GiB")
@@ -31,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode, use_kv_cache=not args.no_kv_cache,
