@@ -28,6 +28,7 @@ def running_server(model: str, api_key: str | None = None, max_waiting: int = 25
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    threading.Thread(target=app.state.server.async_engine.run, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30
     while not server.started:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 
 from kvserve.config import EngineConfig
 from kvserve.errors import KVServeError
@@ -122,9 +123,30 @@ def cmd_serve(args: argparse.Namespace) -> None:
     app = create_app(engine, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting)
     print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} (KV pool {engine.kv_usage()['total_bytes'] / 2**20:.0f} MiB, "
           f"{engine.block_manager.num_blocks} blocks of {engine.config.block_size} tokens)", file=sys.stderr)
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises it: exit 0 rather than die by the signal.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    engine_loop = app.state.server.async_engine
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            engine_loop.stop()
+
+    def shut_down(*_) -> None:  # uvicorn installs no handlers off the main thread; a second signal forces it
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, shut_down)
+    signal.signal(signal.SIGINT, shut_down)
+    http = threading.Thread(target=serve_http, name="kvserve-http")
+    http.start()
+    try:
+        engine_loop.run()  # the model runs on the thread that loaded it (see kvserve.server.async_engine)
+    finally:
+        server.should_exit = True
+        http.join()
+    if not server.started:
+        raise KVServeError(f"could not serve on {args.host}:{args.port} (see the log above)")
 
 
 def _add_serve_parser(sub) -> None:

@@ -43,6 +43,13 @@ def sse(payload: dict | str) -> str:
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as they come; closing this closes (and aborts) them all."""
+    if len(streams) == 1:  # the common case (n=1) skips the task and queue hop per token
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
@@ -68,6 +75,22 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class RequireAPIKey:
+    """`Authorization: Bearer <key>` on the API routes. Plain ASGI: Starlette's BaseHTTPMiddleware would
+    pass every streamed chunk through an extra memory stream."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                response = error_response(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                                          "authentication_error", "invalid_api_key")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class Server:
@@ -206,8 +229,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None, m
     server = Server(engine, model_name, max_waiting)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        server.async_engine.start()
+    async def lifespan(app: FastAPI):  # the caller runs app.state.server.async_engine.run on a thread of its own
         yield
         server.async_engine.stop()
 
@@ -215,13 +237,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None, m
     app.state.server = server
     _add_error_handlers(app)
 
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next):
-        if api_key and request.url.path.startswith(PROTECTED):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                                      "authentication_error", "invalid_api_key")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(RequireAPIKey, api_key=api_key)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
@@ -256,7 +273,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None, m
     @app.get("/health")
     async def health():
         if not server.async_engine.alive:
-            return error_response(503, "the engine thread is not running", "server_error")
+            return error_response(503, "the engine loop is not running", "server_error")
         return {}
 
     @app.get("/metrics")
