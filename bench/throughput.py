@@ -4,6 +4,9 @@
 submitted at once. Prints output tokens/s, p50/p99 time to first token and the share of allocated KV
 slots that held no token (averaged over steps), then the ratios, all measured in this one run.
 
+kvserve multiplies in bf16 where the CPU does so natively (matmul_dtype "auto"); `--matmul-dtype float32`
+and `--transformers-dtype bfloat16` compare like with like.
+
     python bench/throughput.py [--num-requests 64] [--min-prompt 32] [--max-prompt 512] [--new-tokens 128]
 """
 from __future__ import annotations
@@ -49,10 +52,10 @@ def run_kvserve(name: str, llm: LLM, prompts: list[list[int]], new_tokens: int) 
     return Result(name, generated / seconds, [o.metrics.ttft for o in outputs], 1 - held / max(allocated, 1))
 
 
-def run_transformers(model_dir, prompts: list[list[int]], new_tokens: int, batch_size: int) -> Result:
+def run_transformers(model_dir, prompts: list[list[int]], new_tokens: int, batch_size: int, dtype: str) -> Result:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(DEVICE).eval()
     start, generated = time.perf_counter(), 0
     with torch.inference_mode():
         for i in range(0, len(prompts), batch_size):
@@ -63,7 +66,7 @@ def run_transformers(model_dir, prompts: list[list[int]], new_tokens: int, batch
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  do_sample=False, pad_token_id=0, eos_token_id=None)
             generated += (out.shape[1] - width) * len(chunk)
-    return Result("transformers generate (padded)", generated / (time.perf_counter() - start), [], None)
+    return Result(f"transformers generate ({dtype}, padded)", generated / (time.perf_counter() - start), [], None)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -80,6 +83,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="batch size of all three")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="kvserve's")
+    parser.add_argument("--transformers-dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
@@ -87,17 +92,20 @@ def main() -> None:
 
     results = []
     for name, scheduler in (("kvserve continuous", "continuous"), ("kvserve static", "static")):
-        llm = LLM(args.model, scheduler=scheduler, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+        llm = LLM(args.model, scheduler=scheduler, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
+                  matmul_dtype=args.matmul_dtype)
         results.append(run_kvserve(name, llm, prompts, args.new_tokens))
+        bf16 = llm.engine.config.bf16_matmuls
         del llm
     if not args.skip_transformers:
         path = resolve_model_path(args.model)
         model_dir = converted_dir(path) if path.suffix == ".gguf" else path
-        results.append(run_transformers(model_dir, prompts, args.new_tokens, args.max_num_seqs))
+        results.append(run_transformers(model_dir, prompts, args.new_tokens, args.max_num_seqs, args.transformers_dtype))
 
     lengths = [len(p) for p in prompts]
     print(f"\n{args.num_requests} requests, prompts {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}), "
-          f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {torch.get_num_threads()} threads, {DEVICE}")
+          f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {torch.get_num_threads()} threads, {DEVICE}, "
+          f"kvserve matmuls in {'bf16' if bf16 else 'fp32'}")
     for r in results:
         ttft = f"TTFT p50 {percentile(r.ttft, 0.5):6.1f} s  p99 {percentile(r.ttft, 0.99):6.1f} s" if r.ttft else "TTFT n/a"
         waste = f"KV waste {r.kv_waste * 100:5.1f}%" if r.kv_waste is not None else ""

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -105,6 +107,9 @@ class EngineConfig:
     scheduler: str = "continuous"
     use_kv_cache: bool = True
     native_kernels: bool = True  # CPU fp32: kvserve.kernels for decode attention and a GGUF file's own 4/8-bit blocks
+    # float32 models on CPU: "bfloat16" multiplies the decoder's weights in bf16 (fp32 in and out, ~4x the
+    # FLOP/s where the CPU has AVX512-BF16 or AMX); "auto" does so on such CPUs; "float32" is bit-faithful fp32.
+    matmul_dtype: str = "auto"
     seed: int = 0
 
     def validate(self) -> None:
@@ -118,6 +123,7 @@ class EngineConfig:
             (self.preemption_mode in ("recompute", "swap"), f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"),
             (self.scheduler in ("continuous", "static"), f"scheduler must be continuous or static, got {self.scheduler!r}"),
             (self.use_kv_cache or self.scheduler == "continuous", "use_kv_cache=False needs the continuous scheduler"),
+            (self.matmul_dtype in ("auto", "float32", "bfloat16"), f"matmul_dtype must be auto, float32 or bfloat16, got {self.matmul_dtype!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -133,6 +139,13 @@ class EngineConfig:
         return torch.device(self.device)
 
     @property
+    def bf16_matmuls(self) -> bool:
+        """Whether a float32 model's decoder layers multiply in bf16 (see matmul_dtype)."""
+        if self.dtype != "float32" or self.torch_device.type != "cpu":
+            return False
+        return self.matmul_dtype == "bfloat16" or (self.matmul_dtype == "auto" and cpu_has_native_bf16())
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
@@ -140,6 +153,16 @@ class EngineConfig:
     def kv_dtype_name(self) -> str:
         """The planner's name for the KV element type."""
         return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: oneDNN multiplies bf16 in hardware (elsewhere it emulates, no faster than fp32)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _check_device(device: str) -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kvserve import LLM
 from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear
-from tests.conftest import greedy
+from tests.conftest import FP32, greedy
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
 TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
@@ -52,7 +52,7 @@ def test_unsupported_block_size_is_a_clear_error():
 
 def test_smollm2_decodes_the_same_with_and_without_blocks(smollm2):
     assert sum(getattr(m, "blocks", None) is not None for m in smollm2.engine.runner.model.modules()) == 121
-    plain = LLM("smollm2-135m", native_kernels=False, kv_cache_memory="64MiB")
+    plain = LLM("smollm2-135m", native_kernels=False, kv_cache_memory="64MiB", **FP32)
     assert not any(getattr(m, "blocks", None) is not None for m in plain.engine.runner.model.modules())
     prompts = ["The three primary colors are", "def fibonacci(n):"]
     assert [o.token_ids for o in smollm2.generate(prompts, greedy(24), use_tqdm=False)] == \

@@ -4,14 +4,14 @@ from __future__ import annotations
 import torch
 
 from kvserve import LLM
-from tests.conftest import greedy
+from tests.conftest import FP32, greedy
 from tests.test_llama import step_logits
 
 
 def test_cached_decode_equals_recomputation(smollm2):
     prompt = smollm2.engine.tokenize(smollm2.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}]),
                                      add_special_tokens=False)
-    recompute = LLM("smollm2-135m", use_kv_cache=False, max_num_batched_tokens=512)
+    recompute = LLM("smollm2-135m", use_kv_cache=False, max_num_batched_tokens=512, **FP32)
     cached_tokens, cached_logits = step_logits(smollm2, prompt, 64)
     full_tokens, full_logits = step_logits(recompute, prompt, 64)
     assert len(cached_tokens) == 64

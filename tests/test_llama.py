@@ -7,7 +7,7 @@ import torch
 from kvserve import LLM
 from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.engine.sequence import Sequence
-from tests.conftest import greedy, save_tiny_llama
+from tests.conftest import FP32, greedy, save_tiny_llama
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32, "rope_theta": 10000.0}
@@ -64,7 +64,7 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("case", CASES)
 def test_logits_match_transformers(tmp_path, case, device):
     hf = _save(tmp_path, CASES[case]).to(device)
-    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", device=device)
+    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", device=device, **FP32)
     prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     tokens, logits = step_logits(llm, prompt, 12)
     with torch.no_grad():

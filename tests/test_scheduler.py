@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, KVServeError
-from tests.conftest import greedy
+from tests.conftest import FP32, greedy
 
 PROMPTS = ["The capital of France is", ("Write a short story about a dragon who learns to program computers. The dragon lives in a cave "
             "high in the mountains and has never seen a computer before. Once upon"),
@@ -29,19 +29,19 @@ def test_batched_equals_alone(smollm2, alone):
 
 
 def test_chunked_prefill_mixed_with_decodes_equals_alone(alone):
-    llm = LLM("smollm2-135m", max_num_batched_tokens=7, enable_prefix_caching=False)
+    llm = LLM("smollm2-135m", max_num_batched_tokens=7, enable_prefix_caching=False, **FP32)
     assert _run(llm) == alone
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_equals_alone(alone, mode):
-    llm = LLM("smollm2-135m", num_blocks=12, block_size=8, preemption_mode=mode, enable_prefix_caching=False)
+    llm = LLM("smollm2-135m", num_blocks=12, block_size=8, preemption_mode=mode, enable_prefix_caching=False, **FP32)
     assert _run(llm) == alone
     assert llm.engine.scheduler.stats.num_preemptions > 0
 
 
 def test_static_batching_equals_alone(alone):
-    llm = LLM("smollm2-135m", scheduler="static")
+    llm = LLM("smollm2-135m", scheduler="static", **FP32)
     assert _run(llm) == alone
 
 

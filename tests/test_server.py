@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import FP32
 from tests.server_utils import kv_usage, running_server
 
 LONG_SYSTEM = "You are a helpful assistant who answers questions about geography briefly and precisely. " * 4
@@ -15,7 +16,7 @@ LONG_SYSTEM = "You are a helpful assistant who answers questions about geography
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("smollm2-135m", kv_cache_memory="256MiB") as (url, app):
+    with running_server("smollm2-135m", kv_cache_memory="256MiB", **FP32) as (url, app):
         yield url
 
 

@@ -31,6 +31,8 @@ class ModelRunner:
         self.native = config.native_kernels and self.device.type == "cpu" and config.dtype == "float32" and native_ops()
         if self.native:
             self.model.use_native_kernels(load_gguf_blocks(checkpoint))
+        if config.bf16_matmuls:
+            self.model.use_bf16_matmuls()
         self.kv_cache = KVCache(checkpoint.config, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
 

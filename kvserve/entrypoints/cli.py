@@ -28,6 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
     parser.add_argument("--no-native-kernels", action="store_true",
                         help="plain torch only: no paged decode-attention kernel, fp32 copies of GGUF weights")
+    parser.add_argument("--matmul-dtype", default=d.matmul_dtype, choices=["auto", "float32", "bfloat16"],
+                        help="float32 models on CPU: multiply the decoder's weights in bf16 (auto: where the CPU does so natively)")
     parser.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -37,7 +39,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode, use_kv_cache=not args.no_kv_cache,
-        native_kernels=not args.no_native_kernels, seed=args.seed,
+        native_kernels=not args.no_native_kernels, matmul_dtype=args.matmul_dtype, seed=args.seed,
     )
 
 

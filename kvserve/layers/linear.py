@@ -2,7 +2,8 @@
 
 Decoding reads every weight once per step, so it is memory-bound: a step of a few tokens multiplies
 against the 4/8-bit blocks (kvserve.kernels), while prefill, compute-bound, uses the fp32 copy.
-Both hold the same values, so the outputs agree to float rounding.
+Both hold the same values, so the outputs agree to float rounding. With bf16 matmuls the weight itself
+is kept in bf16, which CPUs with AVX512-BF16 or AMX multiply ~4x faster than fp32.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None and x.shape[0] <= MAX_BLOCK_ROWS:
             return native_ops().gguf_matmul(x, self.blocks)
+        if self.weight.dtype != x.dtype:  # a bf16 weight (matmul_dtype): activations stay fp32 outside it
+            y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         if x.dim() != 2 or x.shape[0] > MAX_TRANSPOSED_ROWS:
             return F.linear(x, self.weight, self.bias)
         y = torch.mm(self.weight, x.t()).t().contiguous()

@@ -94,6 +94,13 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def use_bf16_matmuls(self) -> None:
+        """The decoder layers' weights in bf16, multiplied with fp32 activations cast at each matmul. The LM head
+        stays fp32: logits rounded to bf16 (steps of 1/16 near 20) would blur greedy choices and logprobs."""
+        for module in self.layers.modules():
+            if isinstance(module, Linear):
+                module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+
     def use_native_kernels(self, gguf_blocks: dict[str, torch.Tensor]) -> int:
         """Norms use kvserve.kernels, and each linear layer gets its GGUF blocks (by HF name) where the file
         has them; returns how many linear layers got blocks."""

@@ -1,0 +1,55 @@
+"""matmul_dtype: a float32 model's decoder weights kept in bf16 (where the CPU multiplies bf16 natively), and
+what that costs in accuracy against fp32 on SmolLM2."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve import LLM, KVServeError
+from kvserve.config import cpu_has_native_bf16
+from kvserve.layers.linear import Linear
+from tests.conftest import FP32, greedy
+from tests.test_llama import prefill_logits
+
+
+def test_bf16_weight_takes_fp32_in_and_out():
+    layer = Linear(64, 32, bias=True)
+    exact = layer(x := torch.randn(20, 64))
+    layer.weight = torch.nn.Parameter(layer.weight.detach().bfloat16(), requires_grad=False)
+    out = layer(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x.bfloat16(), layer.weight).float() + layer.bias)
+    assert (out - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def _weight_dtypes(llm: LLM) -> dict[str, torch.dtype]:
+    model = llm.engine.runner.model
+    return {"decoder": model.layers[0].mlp.down_proj.weight.dtype, "head": model.lm_head.weight.dtype,
+            "embedding": model.embed_tokens.weight.dtype}
+
+
+def test_matmul_dtype_setting(tiny_model_dir):
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert _weight_dtypes(LLM(str(tiny_model_dir), num_blocks=8, **FP32)) == {"decoder": fp32, "head": fp32, "embedding": fp32}
+    assert _weight_dtypes(LLM(str(tiny_model_dir), num_blocks=8, matmul_dtype="bfloat16")) == \
+        {"decoder": bf16, "head": fp32, "embedding": fp32}
+    auto = _weight_dtypes(LLM(str(tiny_model_dir), num_blocks=8))["decoder"]
+    assert auto == (bf16 if cpu_has_native_bf16() and not torch.cuda.is_available() else fp32)
+    with pytest.raises(KVServeError, match="matmul_dtype must be auto, float32 or bfloat16, got 'int8'"):
+        LLM(str(tiny_model_dir), matmul_dtype="int8")
+
+
+def test_bf16_matmuls_track_fp32_on_smollm2(smollm2):
+    """Teacher-forced over the fp32 model's own answer: the per-token KL and the greedy agreement bound the cost."""
+    bf16 = LLM("smollm2-135m", matmul_dtype="bfloat16", kv_cache_memory="64MiB")
+    prompt = smollm2.engine.tokenize(smollm2.apply_chat_template(
+        [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_special_tokens=False)
+    answer = smollm2.generate(prompt, greedy(64), use_tqdm=False)[0].token_ids
+    exact, approx = (prefill_logits(llm, prompt + answer).float() for llm in (smollm2, bf16))
+    logp, logq = exact.log_softmax(-1), approx.log_softmax(-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    agree = (exact.argmax(-1) == approx.argmax(-1)).float().mean()
+    print(f"bf16 matmuls vs fp32: mean KL {kl.mean():.2e}, max KL {kl.max():.2e}, greedy agreement {agree:.3f}")
+    assert kl.mean() < 1e-3 and kl.max() < 2e-2
+    assert agree >= 0.97
