@@ -109,7 +109,7 @@ def main() -> None:
     for r in results:
         ttft = f"TTFT p50 {percentile(r.ttft, 0.5):6.1f} s  p99 {percentile(r.ttft, 0.99):6.1f} s" if r.ttft else "TTFT n/a"
         waste = f"KV waste {r.kv_waste * 100:5.1f}%" if r.kv_waste is not None else ""
-        print(f"  {r.name:32s} {r.tokens_per_s:8.1f} output tok/s   {ttft}   {waste}")
+        print(f"  {r.name:40s} {r.tokens_per_s:8.1f} output tok/s   {ttft}   {waste}")
     continuous = results[0].tokens_per_s
     print(f"ratio continuous / static:       {continuous / results[1].tokens_per_s:.2f}x")
     if len(results) > 2:

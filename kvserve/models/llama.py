@@ -95,9 +95,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def use_bf16_matmuls(self) -> None:
-        """The decoder layers' weights in bf16, multiplied with fp32 activations cast at each matmul. The LM head
-        stays fp32: logits rounded to bf16 (steps of 1/16 near 20) would blur greedy choices and logprobs."""
-        for module in self.layers.modules():
+        """Every linear layer's weight in bf16 (the LM head untied from the embedding, which stays fp32);
+        activations stay fp32 and are cast at each matmul."""
+        for module in self.modules():
             if isinstance(module, Linear):
                 module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
 
