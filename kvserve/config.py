@@ -107,8 +107,8 @@ class EngineConfig:
     scheduler: str = "continuous"
     use_kv_cache: bool = True
     native_kernels: bool = True  # CPU fp32: kvserve.kernels for decode attention and a GGUF file's own 4/8-bit blocks
-    # float32 models on CPU: "bfloat16" keeps the linear layers' weights in bf16 (fp32 activations cast at each
-    # matmul, ~4x the FLOP/s where the CPU has AVX512-BF16 or AMX); "auto" does so on such CPUs; "float32" is fp32.
+    # float32 models: "bfloat16" keeps the linear layers' weights in bf16 (fp32 activations cast at each matmul,
+    # ~4x the FLOP/s on CPUs with AVX512-BF16 or AMX); "auto" does so on such CPUs; "float32" is fp32 throughout.
     matmul_dtype: str = "auto"
     seed: int = 0
 
@@ -141,9 +141,10 @@ class EngineConfig:
     @property
     def bf16_matmuls(self) -> bool:
         """Whether a float32 model's linear layers multiply in bf16 (see matmul_dtype)."""
-        if self.dtype != "float32" or self.torch_device.type != "cpu":
+        if self.dtype != "float32":
             return False
-        return self.matmul_dtype == "bfloat16" or (self.matmul_dtype == "auto" and cpu_has_native_bf16())
+        auto = self.matmul_dtype == "auto" and self.torch_device.type == "cpu" and cpu_has_native_bf16()
+        return self.matmul_dtype == "bfloat16" or auto
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -87,7 +87,8 @@ def _group(rows: torch.Tensor, starts, counts, offsets, tables, bs: int) -> Atte
     valid = q[None, :] < count[:, None]
     from_start = bool((count > 1).all() and (start == 0).all())
     mask = None if from_start or bool(causal.all()) else causal.unsqueeze(1)
-    return AttentionGroup(query_index, valid, tables[rows, :num_blocks], mask, query_index[valid], start + count, from_start)
+    return AttentionGroup(query_index, valid.flatten().nonzero().squeeze(1), tables[rows, :num_blocks], mask,
+                          query_index[valid], start + count, from_start)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device) -> LlamaForCausalLM:

@@ -18,7 +18,7 @@ from kvserve.kernels import native_ops
 @dataclass(slots=True)
 class AttentionGroup:
     query_index: torch.Tensor  # [B, Q] flat token index of each query (padding repeats a real one)
-    query_valid: torch.Tensor  # [B, Q] bool, False on padding
+    query_valid: torch.Tensor  # [V] where each valid (non-padding) query sits in the flattened [B * Q]
     block_tables: torch.Tensor  # [B, N] each sequence's blocks; keys at positions 0..N*block_size-1
     mask: torch.Tensor | None  # [B, 1, Q, L] bool, True where a query may attend; None: see is_causal
     flat_index: torch.Tensor  # flat token index of each valid query, in query_valid order
@@ -54,10 +54,13 @@ def paged_attention(
                 q[group.flat_index], ctx.kv_cache.k[layer], ctx.kv_cache.v[layer], group.block_tables, group.context_lens, scale)
             continue
         keys, values = ctx.kv_cache.read(layer, group.block_tables)
+        repeat = q.shape[1] // keys.shape[2]
+        if q.device.type == "cuda" and repeat > 1:  # CUDA's fused kernels take no enable_gqa; the math one is slow
+            keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)
         queries = q[group.query_index].transpose(1, 2)
         o = F.scaled_dot_product_attention(
             queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=group.mask, is_causal=group.is_causal, scale=scale, enable_gqa=True,
+            attn_mask=group.mask, is_causal=group.is_causal, scale=scale, enable_gqa=keys.shape[2] != q.shape[1],
         )
-        out[group.flat_index] = o.transpose(1, 2)[group.query_valid]
+        out[group.flat_index] = o.transpose(1, 2).flatten(0, 1)[group.query_valid]
     return out
