@@ -9,6 +9,7 @@ import pytest
 from kvserve import KVServeError
 from kvserve.entrypoints import cli
 from kvserve.memory import PlanRequest, DEVICES, capacity, kv_bytes, kv_bytes_per_token, load_spec, mha_factor, plan
+from kvserve.memory.planner import kv_dtype, roofline
 
 GiB, KiB, MiB = 2**30, 2**10, 2**20
 
@@ -59,6 +60,18 @@ def test_quantized_dtypes_count_their_scales():
     assert kv_bytes_per_token(spec, "2bit", group_size=32) == 32 * (512 + 64 * 4)
 
 
+def test_llama_3_70b_by_kv_dtype_before_scales():
+    spec = load_spec("llama-3-70b")
+    unscaled = {name: replace(kv_dtype(name), scale_bytes_per_group=0) for name in ("bf16", "int8", "int4", "2bit")}
+    assert {n: round(kv_bytes(spec, 32_000, dtype=d) / GiB, 1) for n, d in unscaled.items()} == \
+        {"bf16": 9.8, "int8": 4.9, "int4": 2.4, "2bit": 1.2}
+
+
+def test_llama_3_70b_requests_in_400_gib_of_kv():
+    cap = capacity(load_spec("llama-3-70b"), 400 * GiB, [2_000, 128_000], weight_bytes=0, utilization=1.0)
+    assert cap.max_requests == {2_000: 655, 128_000: 10}
+
+
 def test_capacity_on_devices():
     spec = load_spec("llama-3-8b")
     cap = capacity(spec, 80 * 10**9, [8192], "bf16", utilization=0.9)
@@ -66,6 +79,14 @@ def test_capacity_on_devices():
     assert cap.max_requests[8192] == int((72 * 10**9 - cap.weight_bytes) // (8192 * 128 * KiB))
     huge = capacity(load_spec("llama-3.1-405b"), 80 * 10**9, [4096])
     assert huge.kv_budget < 0 and huge.max_requests[4096] == 0
+
+
+def test_h100_balance_batch1_decode_memory_bound_2048_prefill_compute_bound():
+    h100 = DEVICES["h100-80gb"]
+    assert h100.flops / h100.bandwidth == pytest.approx(295, abs=1)
+    prefill, _ = roofline(load_spec("llama-3-8b"), batch=1, context=2048)
+    _, decode = roofline(load_spec("llama-3-8b"), batch=1, context=2048)
+    assert prefill.bound(h100) == "compute" and decode.bound(h100) == "memory"
 
 
 def test_roofline_decode_memory_bound_prefill_compute_bound():
@@ -112,3 +133,9 @@ def test_cli_json_table_and_plot(tmp_path, capsys):
     assert cli.main(["memory", "mistral-7b", "--kv-dtype", "int3"]) == 2
     assert "unknown KV dtype 'int3'" in capsys.readouterr().err
     assert cli.main(["memory", "mistral-7b", "--device", "tpu"]) == 2
+
+
+def test_planner_matches_what_the_engine_allocates_for_smollm2(smollm2):
+    cache = smollm2.engine.runner.kv_cache
+    allocated_per_token = cache.nbytes / (cache.num_blocks * cache.block_size)
+    assert allocated_per_token == kv_bytes_per_token(load_spec("smollm2-135m"), "fp32") == 2 * 30 * 3 * 64 * 4
