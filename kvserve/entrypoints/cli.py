@@ -29,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-native-kernels", action="store_true",
                         help="plain torch only: no paged decode-attention kernel, fp32 copies of GGUF weights")
     parser.add_argument("--matmul-dtype", default=d.matmul_dtype, choices=["auto", "float32", "bfloat16"],
-                        help="float32 models on CPU: multiply the decoder's weights in bf16 (auto: where the CPU does so natively)")
+                        help="float32 models: keep the linear layers' weights in bf16 (auto: on CPUs that multiply bf16 natively)")
     parser.add_argument("--seed", type=int, default=d.seed)
 
 
