@@ -123,7 +123,7 @@ class AsyncEngine:
                 self.engine.add_request(token_ids, params, request_id=request_id)
                 self.metrics.prompt_tokens.inc(len(token_ids))
             except Exception as e:
-                self._send(request_id, e)
+                self._send([(request_id, e)])
         elif kind == "abort":
             if command[1] in self.engine.sequences:
                 self._abort(command[1])
@@ -133,7 +133,7 @@ class AsyncEngine:
             command[1].set_result(self._snapshot())
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        now, by_loop = time.perf_counter(), {}
+        now = time.perf_counter()
         for out in outputs:
             m = out.metrics
             if m.num_output_tokens == 1:
@@ -150,11 +150,7 @@ class AsyncEngine:
                 self.metrics.e2e.observe(m.e2e_latency)
                 self.metrics.record_finished(out.finish_reason)
                 self.recent.last_token.pop(out.request_id, None)
-            target = self._streams.get(out.request_id)
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():  # one wake-up of the event loop per step, not one per token
-            loop.call_soon_threadsafe(_put_all, items)
+        self._send([(out.request_id, out) for out in outputs])
         self.metrics.generation_tokens.inc(len(outputs))
         self.metrics.record_stats(self.engine.scheduler.stats)
         self._update_gauges()
@@ -170,20 +166,25 @@ class AsyncEngine:
             self.usage_history.append((now, share))
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self.engine.sequences):
+        failed = list(self.engine.sequences)
+        for request_id in failed:
             self._abort(request_id)
-            self._send(request_id, EngineDeadError(f"the engine failed on this request's step: {error}"))
+        self._send([(r, EngineDeadError(f"the engine failed on this request's step: {error}")) for r in failed])
         self._update_gauges()
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         self.recent.last_token.pop(request_id, None)  # else every aborted request would stay in it
 
-    def _send(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, outputs = target
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+    def _send(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
+        """Hand items to their requests' streams: one wake-up per event loop, not one per token."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _snapshot(self) -> dict:
         engine, bm = self.engine, self.engine.block_manager
@@ -197,7 +198,7 @@ class AsyncEngine:
                 "history": list(self.usage_history), **self.recent.summary()}
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
     for outputs, out in items:
         outputs.put_nowait(out)
 
