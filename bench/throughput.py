@@ -45,7 +45,7 @@ def run_kvserve(name: str, llm: LLM, prompts: list[list[int]], new_tokens: int) 
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
         running = engine.scheduler.running
-        allocated += sum(len(s.block_table) for s in running) * engine.config.block_size
+        allocated += sum(len(s.block_tables[0]) for s in running) * engine.config.block_size
         held += sum(s.num_computed_tokens for s in running)
     seconds = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outputs)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from kvserve.errors import KVServeError
+from kvserve.kv.formats import KV_CACHE_DTYPES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -110,6 +111,12 @@ class EngineConfig:
     # float32 models: "bfloat16" keeps the linear layers' weights in bf16 (fp32 activations cast at each matmul,
     # ~4x the FLOP/s on CPUs with AVX512-BF16 or AMX); "auto" does so on such CPUs; "float32" is fp32 throughout.
     matmul_dtype: str = "auto"
+    # How K and V are stored (kvserve.kv.formats): "auto" is the model's dtype; cache_type_k / cache_type_v set
+    # one of them apart. kivi2 keeps each request's newest kivi_residual tokens in the model's dtype.
+    kv_cache_dtype: str = "auto"
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+    kivi_residual: int = 128
     seed: int = 0
 
     def validate(self) -> None:
@@ -124,10 +131,17 @@ class EngineConfig:
             (self.scheduler in ("continuous", "static"), f"scheduler must be continuous or static, got {self.scheduler!r}"),
             (self.use_kv_cache or self.scheduler == "continuous", "use_kv_cache=False needs the continuous scheduler"),
             (self.matmul_dtype in ("auto", "float32", "bfloat16"), f"matmul_dtype must be auto, float32 or bfloat16, got {self.matmul_dtype!r}"),
+            *((name in KV_CACHE_DTYPES, f"{flag} must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+              for flag, name in (("kv_cache_dtype", self.kv_cache_dtype), ("cache_type_k", self.cache_type_k or "auto"),
+                                 ("cache_type_v", self.cache_type_v or "auto"))),
         ]
         for ok, message in checks:
             if not ok:
                 raise KVServeError(message)
+        if "kivi2" in self.kv_dtypes and (self.kivi_residual < 0 or self.kivi_residual % self.block_size):
+            raise KVServeError(f"kivi_residual must be a multiple of the block size ({self.block_size}), got {self.kivi_residual}")
+        if self.scheduler == "static" and "kivi2" in self.kv_dtypes:
+            raise KVServeError("the static baseline reserves whole requests up front and has no kivi2 residual; use the continuous scheduler")
         _check_device(self.device)
         if parse_size(self.kv_cache_memory) <= 0:
             raise KVServeError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
@@ -151,9 +165,11 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
     @property
-    def kv_dtype_name(self) -> str:
-        """The planner's name for the KV element type."""
-        return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]
+    def kv_dtypes(self) -> tuple[str, str]:
+        """The KV cache dtypes of K and V, "auto" resolved to the model's dtype."""
+        resolve = lambda name: self.dtype if name == "auto" else name  # noqa: E731
+        base = self.kv_cache_dtype
+        return resolve(self.cache_type_k or base), resolve(self.cache_type_v or base)
 
 
 @functools.cache

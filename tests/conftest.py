@@ -36,6 +36,14 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_model_dir_d32(tmp_path_factory):
+    """head_dim 32: quantized KV formats scale groups of 32 values."""
+    path = tmp_path_factory.mktemp("tiny-llama-d32")
+    save_tiny_llama(path, head_dim=32)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> LLM:
     return LLM("smollm2-135m", **FP32)
 

@@ -15,7 +15,7 @@ NEW = 16
 
 def _outputs(llm: LLM) -> list[list[int]]:
     outs = llm.generate(PROMPTS, greedy(NEW), use_tqdm=False)
-    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.kv_manager.pool.num_used == 0
     return [o.token_ids for o in outs]
 
 
@@ -30,7 +30,7 @@ def test_bad_device_is_a_clear_error(tiny_model_dir):
 def test_auto_device_picks_cuda_when_present(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), num_blocks=16)
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert llm.engine.runner.kv_cache.k.device.type == expected
+    assert llm.engine.runner.kv_cache.device.type == expected
     assert next(llm.engine.runner.model.parameters()).device.type == expected
 
 
@@ -55,7 +55,7 @@ def test_cuda_bfloat16_halves_kv_and_tracks_fp32(tiny_model_dir):
     fp32 = LLM(str(tiny_model_dir), device="cuda", num_blocks=16)
     bf16 = LLM(str(tiny_model_dir), device="cuda", num_blocks=16, dtype="bfloat16")
     assert bf16.engine.runner.kv_cache.nbytes * 2 == fp32.engine.runner.kv_cache.nbytes
-    assert bf16.engine.bytes_per_token * 2 == fp32.engine.bytes_per_token
+    assert bf16.engine.layout.bytes_per_token * 2 == fp32.engine.layout.bytes_per_token
     a = fp32.generate(PROMPTS[1], greedy(1), use_tqdm=False)[0]
     b = bf16.generate(PROMPTS[1], greedy(1), use_tqdm=False)[0]
     la, lb = fp32.engine.runner.last_logits, bf16.engine.runner.last_logits

@@ -17,16 +17,15 @@ def test_cached_decode_equals_recomputation(smollm2):
     assert len(cached_tokens) == 64
     assert cached_tokens == full_tokens
     torch.testing.assert_close(cached_logits, full_logits, atol=5e-4, rtol=0)
-    assert recompute.engine.block_manager.num_used_blocks == 0
+    assert recompute.engine.kv_manager.pool.num_used == 0
 
 
 def test_kv_bytes_match_formula_and_tensors(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), num_blocks=32, block_size=8)
     cfg = llm.engine.checkpoint.config  # 2 layers, 2 KV heads, head_dim 16, fp32
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-    assert llm.engine.bytes_per_token == per_token == 2 * 2 * 2 * 16 * 4
-    cache = llm.engine.runner.kv_cache
-    assert cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size() == 32 * 8 * per_token
+    assert llm.engine.layout.bytes_per_token == per_token == 2 * 2 * 2 * 16 * 4
+    assert llm.engine.runner.kv_cache.nbytes == 32 * 8 * per_token
     assert llm.engine.kv_usage()["total_bytes"] == 32 * 8 * per_token
     out = llm.generate(list(range(1, 21)), greedy(5), use_tqdm=False)[0]
     assert out.metrics.kv_bytes == (20 + 5 - 1) * per_token  # the last sampled token has no K/V yet

@@ -50,13 +50,13 @@ def step_logits(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[list[int]
 def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one prefill pass through the paged cache."""
     engine = llm.engine
-    seq = Sequence("prefill", None, prompt, greedy(1))
-    assert engine.block_manager.allocate_slots(seq, len(prompt))
+    seq = Sequence("prefill", None, prompt, greedy(1), len(engine.layout.groups))
+    assert engine.kv_manager.allocate_slots(seq, len(prompt))
     batch = ScheduledBatch([seq], [len(prompt)])
     with torch.inference_mode():
         inputs = engine.runner.prepare(batch)
         logits = engine.runner.model.compute_logits(engine.runner.model(inputs.input_ids, inputs.ctx))
-    engine.block_manager.free(seq)
+    engine.kv_manager.free(seq)
     return logits
 
 
@@ -72,4 +72,4 @@ def test_logits_match_transformers(tmp_path, case, device):
     torch.testing.assert_close(prefill_logits(llm, prompt), expected[: len(prompt)], atol=1e-4, rtol=0)
     torch.testing.assert_close(logits, expected[len(prompt) - 1: -1], atol=1e-4, rtol=0)
     assert tokens == expected[len(prompt) - 1: -1].argmax(-1).tolist()
-    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.kv_manager.pool.num_used == 0

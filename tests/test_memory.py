@@ -9,7 +9,7 @@ import pytest
 from kvserve import KVServeError
 from kvserve.entrypoints import cli
 from kvserve.memory import PlanRequest, DEVICES, capacity, kv_bytes, kv_bytes_per_token, load_spec, mha_factor, plan
-from kvserve.memory.planner import kv_dtype, roofline
+from kvserve.memory.planner import kv_layout, roofline
 
 GiB, KiB, MiB = 2**30, 2**10, 2**20
 
@@ -53,18 +53,38 @@ def test_sliding_window_layers_hold_at_most_their_window():
 
 
 def test_quantized_dtypes_count_their_scales():
-    spec = load_spec("llama-3-8b")  # 2 * 8 * 128 = 2048 values per layer per token
+    spec = load_spec("llama-3-8b")  # 8 KV heads x 128 = 1024 values of K and of V per layer per token, 32 groups of 32
     assert kv_bytes_per_token(spec, "fp8") == 32 * 2048
-    assert kv_bytes_per_token(spec, "int8", group_size=32) == 32 * (2048 + 64 * 2)
-    assert kv_bytes_per_token(spec, "int4", group_size=64) == 32 * (1024 + 32 * 4)
-    assert kv_bytes_per_token(spec, "2bit", group_size=32) == 32 * (512 + 64 * 4)
+    assert kv_bytes_per_token(spec, "int8") == 32 * (2048 + 2 * 32 * 2)  # one fp16 scale per group
+    assert kv_bytes_per_token(spec, "int4") == 32 * (1024 + 2 * 32 * 4)  # fp16 scale and minimum per group
+    # kivi2: K per channel (scale and minimum per 16-token block), V per token like int4
+    assert kv_bytes_per_token(spec, "kivi2") == 32 * ((256 + 1024 * 4 / 16) + (256 + 32 * 4))
+    assert kv_bytes_per_token(spec, "int8/int4") == 32 * ((1024 + 32 * 2) + (512 + 32 * 4))  # K and V apart
+
+
+def test_quantized_pools_hold_more_tokens_than_fp32():
+    """The issue's targets: at the same bytes, int8 >= 3.5x, int4 >= 6x and kivi2 >= 9x the tokens of fp32."""
+    spec = load_spec("smollm2-135m")
+    fp32 = kv_bytes_per_token(spec, "fp32")
+    ratios = {name: fp32 / kv_bytes_per_token(spec, name) for name in ("int8", "int4", "kivi2")}
+    assert ratios["int8"] >= 3.5 and ratios["int4"] >= 6 and ratios["kivi2"] >= 9, ratios
+
+
+def test_kivi2_holds_its_newest_tokens_in_full_precision():
+    spec = load_spec("llama-3-8b")
+    packed, full = kv_bytes_per_token(spec, "kivi2"), kv_bytes_per_token(spec, "bf16")
+    assert kv_bytes(spec, 100, dtype="kivi2") == 100 * full
+    assert kv_bytes(spec, 10_000, dtype="kivi2") == 128 * full + (10_000 - 128) * packed
 
 
 def test_llama_3_70b_by_kv_dtype_before_scales():
     spec = load_spec("llama-3-70b")
-    unscaled = {name: replace(kv_dtype(name), scale_bytes_per_group=0) for name in ("bf16", "int8", "int4", "2bit")}
-    assert {n: round(kv_bytes(spec, 32_000, dtype=d) / GiB, 1) for n, d in unscaled.items()} == \
-        {"bf16": 9.8, "int8": 4.9, "int4": 2.4, "2bit": 1.2}
+    bits = {name: kv_layout(spec, name).k_format.bits for name in ("bf16", "int8", "int4", "kivi2")}
+    assert {n: round(kv_bytes(spec, 32_000) * b / 16 / GiB, 1) for n, b in bits.items()} == \
+        {"bf16": 9.8, "int8": 4.9, "int4": 2.4, "kivi2": 1.2}
+    # with scales (and kivi2's 128 bf16 tokens): int8 +1/16, int4 +1/4, kivi2 keys +1, values +1/2 per 2 bits
+    assert {n: round(kv_bytes(spec, 32_000, dtype=n) / GiB, 2) for n in bits} == \
+        {"bf16": 9.77, "int8": 5.19, "int4": 3.05, "kivi2": 2.17}
 
 
 def test_llama_3_70b_requests_in_400_gib_of_kv():
@@ -111,7 +131,7 @@ def test_engine_sizes_its_pool_with_the_planner(tiny_model_dir):
 
     llm = LLM(str(tiny_model_dir), kv_cache_memory="1MiB", block_size=8)
     per_token = kv_bytes_per_token(load_spec(str(tiny_model_dir)), "fp32")
-    assert llm.engine.block_manager.num_blocks == MiB // (8 * per_token)
+    assert llm.engine.kv_manager.num_blocks == MiB // (8 * per_token)
 
 
 @pytest.mark.parametrize("source,message", [("no-such-model", "is not a preset"), ("bad.json", "cannot read"),
@@ -132,6 +152,9 @@ def test_cli_json_table_and_plot(tmp_path, capsys):
     assert "Roofline" in capsys.readouterr().out and (tmp_path / "kv.png").stat().st_size > 1000
     assert cli.main(["memory", "mistral-7b", "--kv-dtype", "int3"]) == 2
     assert "unknown KV dtype 'int3'" in capsys.readouterr().err
+    assert cli.main(["memory", "llama-3-8b", "--json", "--kv-dtype", "int8/int4", "--kv-dtype", "kivi2"]) == 0
+    kv = json.loads(capsys.readouterr().out)["kv"]
+    assert kv["int8/int4"]["bytes_per_token"] == 32 * ((1024 + 32 * 2) + (512 + 32 * 4)) and "kivi2" in kv
     assert cli.main(["memory", "mistral-7b", "--device", "tpu"]) == 2
 
 
@@ -139,3 +162,14 @@ def test_planner_matches_what_the_engine_allocates_for_smollm2(smollm2):
     cache = smollm2.engine.runner.kv_cache
     allocated_per_token = cache.nbytes / (cache.num_blocks * cache.block_size)
     assert allocated_per_token == kv_bytes_per_token(load_spec("smollm2-135m"), "fp32") == 2 * 30 * 3 * 64 * 4
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "fp8_e4m3", "int8/int4"])
+def test_planner_matches_the_engines_quantized_pool(tiny_model_dir_d32, dtype):
+    from kvserve import LLM
+
+    k, _, v = dtype.partition("/")
+    llm = LLM(str(tiny_model_dir_d32), kv_cache_memory="1MiB", block_size=8, cache_type_k=k, cache_type_v=v or k)
+    cache, planned = llm.engine.runner.kv_cache, kv_bytes_per_token(load_spec(str(tiny_model_dir_d32)), dtype)
+    assert cache.nbytes == cache.num_blocks * 8 * planned
+    assert cache.num_blocks == MiB // (8 * planned)

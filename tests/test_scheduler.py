@@ -20,7 +20,7 @@ def alone(smollm2):
 def _run(llm: LLM) -> list[list[int]]:
     outs = llm.generate(PROMPTS, greedy(NEW), use_tqdm=False)
     engine = llm.engine
-    assert engine.block_manager.num_used_blocks == 0 and all(b.ref_count == 0 for b in engine.block_manager.blocks)
+    assert engine.kv_manager.pool.num_used == 0 and all(b.ref_count == 0 for b in engine.kv_manager.pool.blocks)
     return [o.token_ids for o in outs]
 
 
@@ -65,4 +65,4 @@ def test_request_larger_than_pool_fails_and_others_continue(tiny_model_dir):
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert sorted(done) == sorted(ids) and all(len(o.token_ids) == 6 for o in done.values())
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.kv_manager.pool.num_used == 0

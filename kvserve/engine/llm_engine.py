@@ -7,16 +7,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import EngineConfig
-from kvserve.engine.block_manager import BlockManager
-from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.config import EngineConfig, parse_size
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.output import OutputProcessor
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
-from kvserve.memory import blocks_that_fit, kv_bytes_per_token, spec_from_hf_config
+from kvserve.kv.manager import KVManager
+from kvserve.kv.spec import KVLayout, build_layout
+from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import open_checkpoint
-from kvserve.outputs import RequestOutput, TokenLogprob
+from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 
@@ -41,28 +42,27 @@ class LLMEngine:
         if self.max_model_len > model_config.max_position_embeddings:
             raise KVServeError(f"max_model_len {self.max_model_len} exceeds the model's context window "
                                f"of {model_config.max_position_embeddings} tokens")
-        self.bytes_per_token = int(kv_bytes_per_token(spec_from_hf_config(self.checkpoint.hf_config), config.kv_dtype_name))
-        num_blocks = config.num_blocks or blocks_that_fit(config.kv_cache_memory, config.block_size, self.bytes_per_token)
-        if num_blocks < 1:
-            raise KVServeError(f"kv_cache_memory {config.kv_cache_memory} is smaller than one block "
-                               f"({config.block_size * self.bytes_per_token} bytes)")
-        self.runner = ModelRunner(self.checkpoint, config, self.max_model_len, num_blocks)
-        salt = f"{config.model}|{config.dtype}|{config.block_size}"
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
-        self.scheduler = Scheduler(config, self.block_manager, self.runner.kv_cache)
+        k_dtype, v_dtype = config.kv_dtypes
+        self.layout = build_layout(spec_from_hf_config(self.checkpoint.hf_config, config.model), k_dtype, v_dtype,
+                                   config.block_size, config.kivi_residual, config.dtype)
+        num_blocks, num_residual = pool_sizes(self.layout, config)
+        self.runner = ModelRunner(self.checkpoint, config, self.max_model_len, self.layout, num_blocks, num_residual)
+        self.kv_manager = KVManager(self.layout, num_blocks, num_residual, config.enable_prefix_caching,
+                                    salt=f"{config.model}|{config.dtype}")
+        self.scheduler = Scheduler(config, self.kv_manager)
         eos = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.sequences: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output = OutputProcessor(self.kv_manager, self.tokenizer, eos, self.max_request_tokens, self._finish)
         self._ids = itertools.count()
         self.last_step = StepStats(0, 0, 0.0)
 
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + output) one request may hold: the context window or the whole pool."""
-        return min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
+        return min(self.max_model_len, self.kv_manager.max_tokens_per_request())
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt; chat-templated text passes add_special_tokens=False (the template has them)."""
@@ -91,10 +91,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.sequences:
             raise KVServeError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt if isinstance(prompt, str) else prompt_text, token_ids, params)
+        seq = Sequence(request_id, prompt if isinstance(prompt, str) else prompt_text, token_ids, params, len(self.layout.groups))
         self.sequences[request_id] = seq
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
+        self.output.add(seq)
         self.scheduler.add(seq)
         return request_id
 
@@ -107,7 +106,7 @@ class LLMEngine:
             raise KVServeError(f"prompt token ids must be ints in [0, {vocab})")
         if len(token_ids) >= limit:
             raise KVServeError(f"the prompt has {len(token_ids)} tokens, but this engine holds at most {limit} tokens "
-                               f"per request (max_model_len {self.max_model_len}, KV pool {self.block_manager.num_blocks} "
+                               f"per request (max_model_len {self.max_model_len}, KV pool {self.kv_manager.num_blocks} "
                                f"blocks of {self.config.block_size})")
         if len(token_ids) + params.max_tokens > limit:
             raise KVServeError(f"max_tokens {params.max_tokens} is too large: the prompt's {len(token_ids)} tokens plus "
@@ -117,7 +116,7 @@ class LLMEngine:
         seq = self.sequences.pop(request_id, None)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
-        self._detokenizers.pop(request_id, None)
+        self.output.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -125,75 +124,48 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one forward pass; returns an output for each request that got a token."""
         batch = self.scheduler.schedule()
-        if not batch:
+        if not batch.has_work():
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests pending"
             return []
         started = time.perf_counter()
         rows, sampled = self.runner.execute(batch)
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-        outputs = [self._append_token(batch.seqs[row], token, sampled.logprobs, i)
-                   for i, (row, token) in enumerate(zip(rows, sampled.token_ids))]
+        outputs = self.output.process(batch, rows, sampled)
         if not self.config.use_kv_cache:
             self._drop_kv(batch)
         return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.sequences.pop(seq.request_id, None)
+        self.output.drop(seq.request_id)
 
     def _drop_kv(self, batch: ScheduledBatch) -> None:
         """no_cache mode: forget every K/V, so the next step recomputes the whole sequence."""
         for seq in batch.seqs:
             if not seq.is_finished and seq.num_uncomputed_tokens == 1:
-                self.block_manager.free(seq)
+                self.kv_manager.free(seq)
                 seq.num_computed_tokens = 0
-
-    def _append_token(self, seq: Sequence, token: int, logprobs: torch.Tensor | None, row: int) -> RequestOutput:
-        now = time.perf_counter()
-        seq.token_ids.append(token)
-        metrics = seq.metrics
-        metrics.first_token_time = metrics.first_token_time or now
-        metrics.last_token_time = now
-        metrics.num_output_tokens += 1
-        metrics.kv_bytes = seq.num_computed_tokens * self.bytes_per_token
-        if seq.logprobs is not None:
-            seq.logprobs.append(_token_logprob(logprobs[row], token, seq.params.logprobs))
-        detokenizer = self._detokenizers.get(seq.request_id)
-        previous = seq.text
-        seq.text, reason = self._check_stop(seq, token, previous + (detokenizer.push(token) if detokenizer else ""))
-        delta = seq.text[len(previous):]
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            metrics.finished_time = now
-            self.sequences.pop(seq.request_id, None)
-            self._detokenizers.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], seq.text,
-                             seq.output_token_ids, seq.finish_reason, metrics, seq.logprobs, delta, [token])
-
-    def _check_stop(self, seq: Sequence, token: int, text: str) -> tuple[str, str | None]:
-        """The output text (cut before a stop string) and the finish reason, if the sequence is done."""
-        params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return text, "stop"
-        for stop in params.stop:
-            at = text.find(stop, max(0, len(seq.text) - len(stop) + 1))
-            if at != -1:
-                return text[:at], "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_request_tokens:
-            return text, "length"
-        return text, None
 
     def kv_usage(self) -> dict[str, int]:
         """Blocks and bytes of the KV pool, now."""
-        bm, block_bytes = self.block_manager, self.config.block_size * self.bytes_per_token
-        return {
-            "num_blocks": bm.num_blocks, "used_blocks": bm.num_used_blocks,
-            "cached_blocks": bm.num_cached_free, "free_blocks": bm.num_free_blocks - bm.num_cached_free,
-            "used_bytes": bm.num_used_blocks * block_bytes, "free_bytes": bm.num_free_blocks * block_bytes,
-            "total_bytes": bm.num_blocks * block_bytes,
-        }
+        return self.kv_manager.usage()
 
 
-def _token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    values, ids = logprobs.topk(top) if top else (torch.empty(0), torch.empty(0, dtype=torch.long))
-    return TokenLogprob(token, float(logprobs[token]), dict(zip(ids.tolist(), values.tolist())))
+def pool_sizes(layout: KVLayout, config: EngineConfig) -> tuple[int, int]:
+    """Main and residual blocks: a kivi2 layout first sets aside float blocks for the newest tokens of
+    max_num_seqs requests and one step's new tokens; the rest of kv_cache_memory holds main blocks."""
+    num_residual = 0
+    if layout.has_residual:
+        per_seq = layout.residual_tokens // layout.block_size + 2
+        num_residual = (config.max_num_seqs * per_seq + -(-config.max_num_batched_tokens // layout.block_size)) * len(layout.groups)
+    if config.num_blocks:
+        return config.num_blocks, num_residual
+    budget = parse_size(config.kv_cache_memory) - num_residual * layout.block_bytes(residual=True)
+    num_blocks = budget // layout.block_bytes()
+    if num_blocks < len(layout.groups):
+        raise KVServeError(f"kv_cache_memory {config.kv_cache_memory} is smaller than one block per layer group "
+                           f"({layout.block_bytes()} bytes)" + (f" after the kivi2 residual's {num_residual} float blocks "
+                           f"({num_residual * layout.block_bytes(residual=True)} bytes)" if num_residual else ""))
+    return int(num_blocks), num_residual

@@ -1,18 +1,22 @@
-"""One forward pass for a scheduled batch: flatten its tokens, point attention at the KV cache, sample."""
+"""One forward pass for a scheduled batch: move the blocks the scheduler listed, flatten the batch's tokens,
+point attention at the KV cache, sample."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention import ForwardContext, QueryGroup
+from kvserve.attention.cpu_native import NativeCPUBackend
+from kvserve.attention.sdpa import SDPABackend
 from kvserve.config import EngineConfig
-from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.errors import KVServeError
-from kvserve.layers.attention import AttentionGroup, ForwardContext
+from kvserve.kernels import native_ops
+from kvserve.kv.cache import KVCache
+from kvserve.kv.spec import KVLayout
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.kernels import native_ops
 from kvserve.models.loader import Checkpoint, load_gguf_blocks, load_weights
 
 
@@ -25,7 +29,8 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, max_model_len: int, num_blocks: int):
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, max_model_len: int, layout: KVLayout, num_blocks: int,
+                 num_residual: int = 0):
         self.config, self.device = config, config.torch_device
         self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device)
         self.native = config.native_kernels and self.device.type == "cpu" and config.dtype == "float32" and native_ops()
@@ -33,12 +38,18 @@ class ModelRunner:
             self.model.use_native_kernels(load_gguf_blocks(checkpoint))
         if config.bf16_matmuls:
             self.model.use_bf16_matmuls()
-        self.kv_cache = KVCache(checkpoint.config, num_blocks, config.block_size, config.torch_dtype, self.device)
+        self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
+        self.sdpa = SDPABackend(self.kv_cache)
+        self.backend = NativeCPUBackend(self.kv_cache) if self.native else self.sdpa
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput]:
-        """Run the batch; returns which of its sequences sampled (by position in the batch) and their tokens."""
+    def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput | None]:
+        """Move blocks, then run the batch; returns which of its sequences sampled (by position in the batch)
+        and their tokens."""
+        self.move_blocks(batch)
+        if not batch.seqs:
+            return [], None
         inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.ctx)
         logits = self.model.compute_logits(hidden[inputs.logits_index])
@@ -50,31 +61,41 @@ class ModelRunner:
         )
         return inputs.sampling_rows, sample(logits.cpu(), sampling)
 
+    def move_blocks(self, batch: ScheduledBatch) -> None:
+        for seq, block_ids in batch.swap_out:
+            seq.swapped_kv = self.kv_cache.copy_out(block_ids)
+        for seq, block_ids in batch.swap_in:
+            self.kv_cache.copy_in(block_ids, seq.swapped_kv)
+            seq.swapped_kv = None
+        if batch.packs:
+            self.kv_cache.pack(batch.packs)
+
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs, dev = self.config.block_size, self.device
         starts = torch.tensor([s.num_computed_tokens for s in batch.seqs])
         real_counts = torch.tensor(batch.num_tokens)
         counts = real_counts + torch.tensor(batch.padding or [0] * len(batch))
         offsets = torch.cumsum(counts, 0) - counts
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs])
+        width = max(len(s.block_tables[0]) for s in batch.seqs)
+        tables = [torch.tensor([s.block_tables[g] + [0] * (width - len(s.block_tables[g])) for s in batch.seqs])
+                  for g in range(len(batch.seqs[0].block_tables))]
         input_ids = torch.tensor([t for s, n, c in zip(batch.seqs, batch.num_tokens, counts.tolist())
                                   for t in s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n] + [0] * (c - n)])
         owner = torch.repeat_interleave(torch.arange(len(batch)), counts)
         positions = starts[owner] + torch.arange(len(owner)) - offsets[owner]
-        slot_mapping = tables[owner, positions // bs] * bs + positions % bs
+        slot_mappings = [(t[owner, positions // bs] * bs + positions % bs).to(dev) for t in tables]
         # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
         groups = [_group(rows, starts, counts, offsets, tables, bs)
                   for rows in (counts == 1, (counts > 1) & (starts == 0), (counts > 1) & (starts > 0)) if rows.any()]
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                          if s.num_computed_tokens + n == s.num_tokens]
         logits_index = offsets[sampling_rows] + real_counts[sampling_rows] - 1
-        decode_kernel = bool(self.native) and self.config.scheduler == "continuous"  # static keeps padded rectangles
-        ctx = ForwardContext(positions.to(dev), slot_mapping.to(dev), [g.to(dev) for g in groups], self.kv_cache, decode_kernel)
+        backend = self.sdpa if batch.rectangular else self.backend
+        ctx = ForwardContext(positions.to(dev), slot_mappings, [g.to(dev) for g in groups], backend)
         return StepInputs(input_ids.to(dev), ctx, logits_index.to(dev), sampling_rows)
 
 
-def _group(rows: torch.Tensor, starts, counts, offsets, tables, bs: int) -> AttentionGroup:
+def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor], bs: int) -> QueryGroup:
     """Pad the selected sequences' queries to [B, Q]; their keys are whole blocks, masked past each query."""
     start, count, offset = starts[rows], counts[rows], offsets[rows]
     q = torch.arange(int(count.max()))
@@ -87,8 +108,8 @@ def _group(rows: torch.Tensor, starts, counts, offsets, tables, bs: int) -> Atte
     valid = q[None, :] < count[:, None]
     from_start = bool((count > 1).all() and (start == 0).all())
     mask = None if from_start or bool(causal.all()) else causal.unsqueeze(1)
-    return AttentionGroup(query_index, valid.flatten().nonzero().squeeze(1), tables[rows, :num_blocks], mask,
-                          query_index[valid], start + count, from_start)
+    return QueryGroup(query_index, valid.flatten().nonzero().squeeze(1), [t[rows, :num_blocks] for t in tables], mask,
+                      query_index[valid], start + count, from_start)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device) -> LlamaForCausalLM:

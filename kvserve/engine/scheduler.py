@@ -1,8 +1,11 @@
-"""Which sequences run in the next forward pass, and with how many tokens each.
+"""Which sequences run in the next forward pass, with how many tokens each, and which blocks move.
 
 Continuous batching: every step first gives running sequences their next token (decodes) or prefill
 chunk, then admits waiting sequences into what is left of the token budget. When the pool runs out of
 blocks the newest running sequence is preempted (recomputed later, or swapped to CPU memory).
+
+The scheduler only decides: it changes block tables through the KV manager and lists the blocks whose
+values must be copied out, in or packed; the model runner moves them.
 """
 from __future__ import annotations
 
@@ -11,9 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
-from kvserve.engine.block_manager import BlockManager
-from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.kv.manager import KVManager
 
 
 @dataclass(slots=True)
@@ -21,6 +23,11 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # new tokens of each sequence in this step
     padding: list[int] | None = None  # static batching: pad tokens computed after each prompt, then discarded
+    rectangular: bool = False  # static batching: attention over padded rectangles, the baseline's way
+    # Block moves the model runner does before the forward pass, in this order:
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # copy these blocks to CPU memory
+    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # copy the saved values into these blocks
+    packs: list[tuple[int, int]] = field(default_factory=list)  # (residual block, main block): quantize (kivi2)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -30,6 +37,9 @@ class ScheduledBatch:
         i = self.seqs.index(seq)
         del self.seqs[i]
         return self.num_tokens.pop(i)
+
+    def has_work(self) -> bool:
+        return bool(self.seqs or self.packs or self.swap_out or self.swap_in)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -43,8 +53,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, kv_cache: KVCache):
-        self.config, self.block_manager, self.kv_cache = config, block_manager, kv_cache
+    def __init__(self, config: EngineConfig, kv: KVManager):
+        self.config, self.kv = config, kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -61,31 +71,33 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
-        seq.swapped_kv = None
+        self.kv.free(seq)
+        seq.swapped_kinds = seq.swapped_kv = None
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def schedule(self) -> ScheduledBatch:
-        return self._schedule_static() if self.config.scheduler == "static" else self._schedule_continuous()
+        batch = self._schedule_static() if self.config.scheduler == "static" else self._schedule_continuous()
+        batch.packs = self.kv.take_packs()
+        return batch
 
     def _schedule_static(self) -> ScheduledBatch:
         """The baseline continuous batching replaces: admit a batch only when the last one has fully finished,
         reserve KV for its longest prompt + max_tokens, prefill every prompt padded to the longest in one pass."""
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(rectangular=True)
         if self.running:
             for seq in self.running:
                 batch.add(seq, 1)
             return batch
-        bm, members = self.block_manager, []
+        kv, members = self.kv, []
         while self.waiting and len(members) < self.config.max_num_seqs:
             longest = max([s.num_tokens for s in members] + [self.waiting[0].num_tokens])
             reserve = [longest + s.params.max_tokens for s in members + [self.waiting[0]]]
-            if sum(map(bm.blocks_needed, reserve)) > bm.num_free_blocks:
+            if sum(map(kv.blocks_for, reserve)) > kv.pool.num_free:
                 break
             members.append(self.waiting.popleft())
         longest = max((s.num_tokens for s in members), default=0)
         for seq in members:
-            assert bm.allocate_slots(seq, longest + seq.params.max_tokens)
+            assert kv.allocate_slots(seq, longest + seq.params.max_tokens)
             seq.status = SequenceStatus.RUNNING
             seq.metrics.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
@@ -101,11 +113,11 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted to make room for an older one
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.allocate_slots(seq, n):
+            while not self.kv.allocate_slots(seq, n):
                 victim, preempted = self.running[-1], True
                 if victim in batch.seqs:
                     budget += batch.remove(victim)
-                self._preempt(victim)
+                self._preempt(victim, batch)
                 if victim is seq:
                     break
             else:
@@ -115,14 +127,13 @@ class Scheduler:
             self._admit_waiting(batch, budget)
         return batch
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         if self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0:
-            used = self.block_manager.blocks_needed(seq.num_computed_tokens)
-            seq.swapped_kv = self.kv_cache.copy_out(seq.block_table[:used])
+            batch.swap_out.append((seq, self.kv.swap_out(seq)))
         else:
+            self.kv.free(seq)
             seq.num_computed_tokens = 0
-        self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.stats.num_preemptions += 1
@@ -130,7 +141,7 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self._allocate_admitted(seq, budget):
+            if not self._allocate_admitted(seq, budget, batch):
                 break
             n = min(seq.num_uncomputed_tokens, budget)
             self.waiting.popleft()
@@ -141,21 +152,23 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
 
-    def _allocate_admitted(self, seq: Sequence, budget: int) -> bool:
-        bm = self.block_manager
-        if seq.swapped_kv is not None:
-            swapped = bm.blocks_needed(seq.num_computed_tokens)
-            if not bm.allocate_slots(seq, min(seq.num_uncomputed_tokens, budget)):
+    def _allocate_admitted(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> bool:
+        kv = self.kv
+        if seq.swapped_kinds is not None:
+            block_ids = kv.swap_in(seq)
+            if block_ids is None:
                 return False
-            self.kv_cache.copy_in(seq.block_table[:swapped], seq.swapped_kv)
-            seq.swapped_kv = None
+            if not kv.allocate_slots(seq, min(seq.num_uncomputed_tokens, budget)):
+                kv.swap_out(seq)  # undo: the saved values stay where they are
+                return False
+            batch.swap_in.append((seq, block_ids))
             return True
-        cached = bm.allocate_cached_prefix(seq)
-        if not bm.allocate_slots(seq, min(seq.num_uncomputed_tokens, budget)):
-            bm.free(seq)
+        cached = kv.allocate_cached_prefix(seq)
+        if not kv.allocate_slots(seq, min(seq.num_uncomputed_tokens, budget)):
+            kv.free(seq)
             seq.num_computed_tokens = 0
             return False
-        if bm.enable_prefix_caching:
+        if kv.enable_prefix_caching:
             self.stats.prefix_queries += seq.num_tokens
             self.stats.prefix_hits += cached
         if seq.metrics.first_scheduled_time is None:

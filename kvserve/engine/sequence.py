@@ -18,19 +18,24 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request's tokens and where its KV lives.
 
-    `num_computed_tokens` tokens have K/V in the cache (in the blocks of `block_table`); the rest of
-    `token_ids` still has to go through the model. A finished prefill samples a token, which is appended.
+    `num_computed_tokens` tokens have K/V in the cache (in the blocks of `block_tables`, one table per
+    layer group); the rest of `token_ids` still has to go through the model. A finished prefill samples a
+    token, which is appended.
     """
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 num_kv_groups: int = 1):
         self.request_id, self.prompt, self.params = request_id, prompt, params
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = [[] for _ in range(num_kv_groups)]
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids, filled lazily
-        self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
-        self.swapped_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.num_hashed_blocks = 0  # leading blocks of the tables registered in the prefix cache
+        self.num_packed_blocks = 0  # kivi2: leading blocks already packed (the rest are float residual blocks)
+        self.packing: dict[tuple[int, int], int] = {}  # kivi2, this step: (group, block) -> the residual block it packs
+        self.swapped_kinds: list[list[bool]] | None = None  # swapped out: per group and block, from the residual pool?
+        self.swapped_kv: dict | None = None  # the swapped-out values, held by the model runner
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None

@@ -8,6 +8,7 @@ import threading
 
 from kvserve.config import EngineConfig
 from kvserve.errors import KVServeError
+from kvserve.kv.formats import KV_CACHE_DTYPES
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -30,6 +31,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="plain torch only: no paged decode-attention kernel, fp32 copies of GGUF weights")
     parser.add_argument("--matmul-dtype", default=d.matmul_dtype, choices=["auto", "float32", "bfloat16"],
                         help="float32 models: keep the linear layers' weights in bf16 (auto: on CPUs that multiply bf16 natively)")
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, metavar="DTYPE",
+                        help=f"how K and V are stored: {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)")
+    parser.add_argument("--cache-type-k", default=None, metavar="DTYPE", help="K apart from V (overrides --kv-cache-dtype)")
+    parser.add_argument("--cache-type-v", default=None, metavar="DTYPE", help="V apart from K (overrides --kv-cache-dtype)")
+    parser.add_argument("--kivi-residual", type=int, default=d.kivi_residual,
+                        help="kivi2: newest tokens per request kept in full precision (a multiple of --block-size)")
     parser.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -39,7 +46,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode, use_kv_cache=not args.no_kv_cache,
-        native_kernels=not args.no_native_kernels, matmul_dtype=args.matmul_dtype, seed=args.seed,
+        native_kernels=not args.no_native_kernels, matmul_dtype=args.matmul_dtype, kv_cache_dtype=args.kv_cache_dtype,
+        cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, kivi_residual=args.kivi_residual, seed=args.seed,
     )
 
 
@@ -124,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     engine = LLMEngine(engine_config(args))
     app = create_app(engine, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting)
     print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} (KV pool {engine.kv_usage()['total_bytes'] / 2**20:.0f} MiB, "
-          f"{engine.block_manager.num_blocks} blocks of {engine.config.block_size} tokens)", file=sys.stderr)
+          f"{engine.kv_manager.num_blocks} blocks; {engine.layout.describe()})", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     engine_loop = app.state.server.async_engine
 
@@ -187,7 +195,7 @@ def cmd_memory(args: argparse.Namespace) -> None:
                     args.flops or base.flops, args.bandwidth or base.bandwidth)
     spec = load_spec(args.model)
     request = PlanRequest(
-        dtypes=args.kv_dtype or PlanRequest().dtypes, contexts=args.contexts, batches=args.batch, group_size=args.group_size,
+        dtypes=args.kv_dtype or PlanRequest().dtypes, contexts=args.contexts, batches=args.batch,
         memory=parse_size(args.memory) if args.memory else None, num_devices=args.num_devices,
         weight_bytes=parse_size(args.weight_bytes) if args.weight_bytes else None, weight_bits=args.weight_bits,
         utilization=args.utilization,
@@ -198,17 +206,17 @@ def cmd_memory(args: argparse.Namespace) -> None:
     else:
         render(report)
     if args.plot:
-        plot(spec, request.dtypes, max(request.contexts), args.plot, request.group_size)
+        plot(spec, request.dtypes, max(request.contexts), args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
 
 
 def _add_memory_parser(sub) -> None:
     mem = sub.add_parser("memory", help="plan KV memory: bytes per token, capacity, roofline")
     mem.add_argument("model", help="preset (e.g. llama-3-70b), built-in model, config.json, model directory or .gguf")
-    mem.add_argument("--kv-dtype", action="append", help="bf16, fp16, fp32, fp8, int8, int4, 2bit (repeatable)")
+    mem.add_argument("--kv-dtype", action="append",
+                     help="bf16, fp16, fp32, fp8, fp8_e5m2, int8, int4, kivi2, or K/V apart as int8/int4 (repeatable)")
     mem.add_argument("--contexts", type=_int_list, default=[4096, 32768, 131072], help="e.g. 4096,32768")
     mem.add_argument("--batch", type=_int_list, default=[1, 8, 32], help="batch sizes, e.g. 1,8,32")
-    mem.add_argument("--group-size", type=int, default=32, help="values per quantization scale")
     mem.add_argument("--device", default="h100-80gb")
     mem.add_argument("--num-devices", type=int, default=1)
     mem.add_argument("--memory", help="total device memory, overrides the device's (e.g. 640GiB)")

@@ -1,16 +1,29 @@
 // Decode attention straight from the paged KV cache: each sequence's one query attends to its first
 // context_len positions, reading K/V in place through its block table, with no gathered copy and no
 // padding to the longest sequence. One task per (sequence, KV head) covers that head's query group.
+//
+// K and V may be stored in any kvserve.kv format: float32 rows are read where they lie; other formats
+// are dequantized a block at a time into a small buffer that stays in L1, so the cache is read at its
+// packed size. Block ids past the main pool name blocks of the float32 residual pool (kivi2's newest tokens).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
+
+// kvserve.kv.formats codes
+enum Format { F32 = 0, F16 = 1, BF16 = 2, E4M3 = 3, E5M2 = 4, INT8 = 5, INT4 = 6, INT2_TOKEN = 7, INT2_CHANNEL = 8 };
+constexpr int64_t GROUP = 32;  // values per scale along head_dim
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -46,13 +59,14 @@ void query_scores(const float* q, const float* k, const int64_t* rows, int64_t L
     for (; t < L; ++t) scores[t] = hsum(dot_lanes(q, k + rows[t], D)) * scale;
 }
 
-// out = sum_t p[t] * V[t], accumulated in registers 64 columns at a time.
+// out += sum_t p[t] * V[t], accumulated in registers 64 columns at a time.
 void weighted_values(const float* p, const float* v, const int64_t* rows, int64_t L, int64_t D, float* out) {
     for (int64_t c0 = 0; c0 < D; c0 += 64) {
         const int64_t vecs = std::min<int64_t>(64, D - c0) / 8, tail_end = std::min<int64_t>(64, D - c0);
         __m256 acc[8];
         float tail[8] = {};
-        for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+        for (int r = 0; r < vecs; ++r) acc[r] = _mm256_loadu_ps(out + c0 + 8 * r);
+        for (int64_t c = vecs * 8; c < tail_end; ++c) tail[c - vecs * 8] = out[c0 + c];
         for (int64_t t = 0; t < L; ++t) {
             const float* vt = v + rows[t] + c0;
             const __m256 pt = _mm256_set1_ps(p[t]);
@@ -94,43 +108,207 @@ void softmax(float* s, int64_t n) {
     for (i = 0; i < n; ++i) s[i] *= inv;
 }
 
+// fp8 e4m3 (finite, no infinities) as floats, by code.
+std::array<float, 256> e4m3_table() {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) {
+        const int e = (c >> 3) & 15, m = c & 7;
+        const float v = e == 0 ? std::ldexp(float(m), -9) : (e == 15 && m == 7 ? NAN : std::ldexp(1.0f + m / 8.0f, e - 7));
+        t[c] = c & 128 ? -v : v;
+    }
+    return t;
+}
+const std::array<float, 256> E4M3_TABLE = e4m3_table();
+
+inline __m256 load8_u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+inline __m256 load8_i8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+inline float half(const c10::Half* p) { return static_cast<float>(*p); }
+
+// One layer's K or V store: parts[0] holds the values ([blocks, block_size, KVH, ...]), parts[1] the scales.
+struct Store {
+    int format;
+    const uint8_t* data;
+    const c10::Half* meta = nullptr;
+    int64_t bs, kvh, dim;
+
+    // Row (block b, offset o, head g) as D floats in out.
+    void dequant_row(int64_t b, int64_t o, int64_t g, const float* channel_scale, const float* channel_min, float* out) const {
+        const int64_t row = (b * bs + o) * kvh + g, D = dim, G = D / GROUP;
+        switch (format) {
+            case F16: {
+                const uint16_t* p = reinterpret_cast<const uint16_t*>(data) + row * D;
+                for (int64_t i = 0; i < D; i += 8)
+                    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+                break;
+            }
+            case BF16: {
+                const uint16_t* p = reinterpret_cast<const uint16_t*>(data) + row * D;
+                for (int64_t i = 0; i < D; i += 8) {
+                    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+                    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+                }
+                break;
+            }
+            case E4M3: {
+                const uint8_t* p = data + row * D;
+                for (int64_t i = 0; i < D; i += 8) {
+                    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i)));
+                    _mm256_storeu_ps(out + i, _mm256_i32gather_ps(E4M3_TABLE.data(), idx, 4));
+                }
+                break;
+            }
+            case E5M2: {  // e5m2 is the top byte of an fp16
+                const uint8_t* p = data + row * D;
+                for (int64_t i = 0; i < D; i += 8) {
+                    const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i))), 8);
+                    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+                }
+                break;
+            }
+            case INT8: {
+                const int8_t* p = reinterpret_cast<const int8_t*>(data) + row * D;
+                for (int64_t g32 = 0; g32 < G; ++g32) {
+                    const __m256 s = _mm256_set1_ps(half(meta + row * G + g32));
+                    for (int i = 0; i < 4; ++i)
+                        _mm256_storeu_ps(out + g32 * 32 + 8 * i, _mm256_mul_ps(load8_i8(p + g32 * 32 + 8 * i), s));
+                }
+                break;
+            }
+            case INT4: {  // byte j of a group holds value j (low nibble) and j + 16 (high nibble)
+                const uint8_t* p = data + row * D / 2;
+                const __m128i mask = _mm_set1_epi8(0x0F);
+                for (int64_t g32 = 0; g32 < G; ++g32) {
+                    const __m256 s = _mm256_set1_ps(half(meta + (row * G + g32) * 2)), m = _mm256_set1_ps(half(meta + (row * G + g32) * 2 + 1));
+                    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g32 * 16));
+                    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+                    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                    for (int i = 0; i < 4; ++i)
+                        _mm256_storeu_ps(out + g32 * 32 + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), s, m));
+                }
+                break;
+            }
+            case INT2_TOKEN:
+            case INT2_CHANNEL: {  // byte j of a group holds values j, j + 8, j + 16, j + 24 from its low bits up
+                const uint8_t* p = data + row * D / 4;
+                const __m128i mask = _mm_set1_epi8(0x03);
+                for (int64_t g32 = 0; g32 < G; ++g32) {
+                    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + g32 * 8));
+                    for (int i = 0; i < 4; ++i) {
+                        const __m256 u = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 2 * i), mask)));
+                        float* o = out + g32 * 32 + 8 * i;
+                        if (format == INT2_TOKEN) {
+                            const c10::Half* sm = meta + (row * G + g32) * 2;
+                            _mm256_storeu_ps(o, _mm256_fmadd_ps(u, _mm256_set1_ps(half(sm)), _mm256_set1_ps(half(sm + 1))));
+                        } else {
+                            _mm256_storeu_ps(o, _mm256_fmadd_ps(u, _mm256_loadu_ps(channel_scale + (o - out)), _mm256_loadu_ps(channel_min + (o - out))));
+                        }
+                    }
+                }
+                break;
+            }
+            default: TORCH_CHECK(false, "unknown KV format ", format);
+        }
+    }
+
+    // Per-channel scale and minimum of block b, head g (INT2_CHANNEL), as floats.
+    void channel_meta(int64_t b, int64_t g, float* scale, float* minimum) const {
+        const c10::Half* m = meta + (b * kvh + g) * 2 * dim;
+        for (int64_t c = 0; c < dim; ++c) scale[c] = half(m + c), minimum[c] = half(m + dim + c);
+    }
+};
+
+int64_t row_bytes(int format, int64_t D) {
+    switch (format) {
+        case F32: return 4 * D;
+        case F16: case BF16: return 2 * D;
+        case INT4: return D / 2;
+        case INT2_TOKEN: case INT2_CHANNEL: return D / 4;
+        default: return D;
+    }
+}
+
+Store make_store(const std::vector<at::Tensor>& parts, int64_t format, int64_t dim) {
+    TORCH_CHECK(!parts.empty() && parts.size() <= 2, "a KV store has one or two parts");
+    for (const auto& p : parts) TORCH_CHECK(p.is_contiguous() && p.device().is_cpu(), "KV parts must be contiguous CPU tensors");
+    const at::Tensor& d = parts[0];
+    TORCH_CHECK(d.dim() == 4, "KV data must be [blocks, block_size, kv_heads, ...]");
+    TORCH_CHECK(format >= F32 && format <= INT2_CHANNEL, "unknown KV format ", format);
+    TORCH_CHECK(d.size(3) * int64_t(d.element_size()) == row_bytes(int(format), dim), "KV data does not hold ", dim,
+                " values per row in format ", format);
+    TORCH_CHECK(format <= E5M2 || (parts.size() == 2 && parts[1].scalar_type() == at::kHalf && dim % GROUP == 0),
+                "quantized KV needs fp16 scales and head_dim a multiple of 32");
+    Store s{int(format), static_cast<const uint8_t*>(d.data_ptr()), nullptr, d.size(1), d.size(2), dim};
+    if (parts.size() == 2) s.meta = parts[1].data_ptr<c10::Half>();
+    return s;
+}
+
 }  // namespace
 
-// q [B, H, D]; k_cache, v_cache [blocks, block_size, KVH, D]; block_tables [B, W]; context_lens [B].
-at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-    TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad q or cache shapes");
-    TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-                "q and the KV cache must be fp32");
-    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+// q [B, H, D]; k, v: each a list of parts of a kvserve.kv format, values first ([blocks, block_size, KVH, ...]);
+// block_tables [B, W]; context_lens [B]. Ids >= blocks index k_residual / v_residual ([blocks', block_size, KVH, D]).
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t k_format, int64_t v_format, const std::optional<at::Tensor>& k_residual,
+                                  const std::optional<at::Tensor>& v_residual) {
+    TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be fp32 [B, H, D]");
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables and lengths");
     const at::Tensor q = q_in.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
-    const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), KVH = k_cache.size(2);
-    const int64_t W = tables.size(1), num_blocks = k_cache.size(0);
-    TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0 && tables.size(0) == B && lens.size(0) == B, "shapes do not agree");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+    const Store ks = make_store(k, k_format, D), vs = make_store(v, v_format, D);
+    const int64_t bs = ks.bs, KVH = ks.kvh, W = tables.size(1), num_main = k[0].size(0);
+    TORCH_CHECK(vs.bs == bs && vs.kvh == KVH && v[0].size(0) == num_main, "K and V stores do not agree");
+    TORCH_CHECK(H % KVH == 0 && tables.size(0) == B && lens.size(0) == B, "shapes do not agree");
+    int64_t num_residual = 0;
+    const float *rk = nullptr, *rv = nullptr;
+    if (k_residual.has_value()) {
+        const at::Tensor &a = *k_residual, &b = *v_residual;
+        TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.scalar_type() == at::kFloat && b.sizes() == a.sizes() &&
+                        a.dim() == 4 && a.size(1) == bs && a.size(2) == KVH && a.size(3) == D, "bad residual KV");
+        num_residual = a.size(0), rk = a.data_ptr<float>(), rv = b.data_ptr<float>();
+    }
     const int64_t* tp = tables.data_ptr<int64_t>();
     const int64_t* lp = lens.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
         TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * bs, "context length ", lp[b], " does not fit ", W, " blocks");
         for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
-            TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < num_blocks, "block id out of range");
+            TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < num_main + num_residual, "block id out of range");
     }
-    at::Tensor out = at::empty_like(q);
-    const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+    at::Tensor out = at::zeros_like(q);
+    const float* qp = q.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t G = H / KVH;
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores;
-        std::vector<int64_t> rows;
+        std::vector<float> scores, buffer(bs * D), cscale(D), cmin(D);
+        std::vector<int64_t> rows(bs);
+        // Rows of logical block j of K or V (store s, residual r) for head g: float32 where they lie, else dequantized.
+        auto block_rows = [&](const Store& s, const float* r, int64_t id, int64_t n, int64_t g) -> const float* {
+            if (id >= num_main || s.format == F32) {
+                const int64_t local = id >= num_main ? id - num_main : id;
+                for (int64_t o = 0; o < n; ++o) rows[o] = ((local * bs + o) * KVH + g) * D;
+                return id >= num_main ? r : reinterpret_cast<const float*>(s.data);
+            }
+            if (s.format == INT2_CHANNEL) s.channel_meta(id, g, cscale.data(), cmin.data());
+            for (int64_t o = 0; o < n; ++o) {
+                s.dequant_row(id, o, g, cscale.data(), cmin.data(), buffer.data() + o * D);
+                rows[o] = o * D;
+            }
+            return buffer.data();
+        };
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t b = item / KVH, g = item % KVH, L = lp[b];
-            rows.resize(L);  // where each position's K/V row for this head starts in the cache
-            for (int64_t t = 0; t < L; ++t) rows[t] = ((tp[b * W + t / bs] * bs + t % bs) * KVH + g) * D;
-            scores.resize(L);
-            for (int64_t h = b * H + g * G; h < b * H + (g + 1) * G; ++h) {
-                query_scores(qp + h * D, kp, rows.data(), L, D, float(scale), scores.data());
-                softmax(scores.data(), L);
-                weighted_values(scores.data(), vp, rows.data(), L, D, op + h * D);
+            const int64_t b = item / KVH, g = item % KVH, L = lp[b], nblocks = (L + bs - 1) / bs;
+            scores.resize(G * L);
+            for (int64_t j = 0; j < nblocks; ++j) {
+                const int64_t n = std::min(bs, L - j * bs);
+                const float* base = block_rows(ks, rk, tp[b * W + j], n, g);
+                for (int64_t h = 0; h < G; ++h)
+                    query_scores(qp + (b * H + g * G + h) * D, base, rows.data(), n, D, float(scale), scores.data() + h * L + j * bs);
+            }
+            for (int64_t h = 0; h < G; ++h) softmax(scores.data() + h * L, L);
+            for (int64_t j = 0; j < nblocks; ++j) {
+                const int64_t n = std::min(bs, L - j * bs);
+                const float* base = block_rows(vs, rv, tp[b * W + j], n, g);
+                for (int64_t h = 0; h < G; ++h)
+                    weighted_values(scores.data() + h * L + j * bs, base, rows.data(), n, D, op + (b * H + g * G + h) * D);
             }
         }
     });
@@ -138,6 +316,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 }
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-    m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor",
+    m.def("paged_decode_attention(Tensor q, Tensor[] k, Tensor[] v, Tensor block_tables, Tensor context_lens, float scale, "
+          "int k_format, int v_format, Tensor? k_residual, Tensor? v_residual) -> Tensor",
           &paged_decode_attention);
 }

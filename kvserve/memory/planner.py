@@ -3,24 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.config import parse_size
 from kvserve.errors import KVServeError
+from kvserve.kv.formats import FORMATS
+from kvserve.kv.spec import KVLayout, build_layout
 from kvserve.memory.spec import ModelSpec
 
 
-@dataclass(frozen=True, slots=True)
-class KVDtype:
-    name: str
-    bits: int
-    scale_bytes_per_group: int  # fp16 scale (and zero point) stored per `group_size` values; 0: per tensor
-
-
-KV_DTYPES = {
-    "fp32": KVDtype("fp32", 32, 0), "bf16": KVDtype("bf16", 16, 0), "fp16": KVDtype("fp16", 16, 0),
-    "fp8": KVDtype("fp8", 8, 0), "int8": KVDtype("int8", 8, 2),
-    "int4": KVDtype("int4", 4, 4), "2bit": KVDtype("2bit", 2, 4),  # asymmetric: scale + zero point
-}
-DEFAULT_GROUP_SIZE = 32
+# The planner's short names; anything else is a KV cache dtype of the engine (kvserve.kv.formats).
+ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "fp8_e4m3", "2bit": "kivi2"}
+PLANNER_BLOCK_SIZE = 16
+PLANNER_RESIDUAL_DTYPE = "bfloat16"  # kivi2's newest tokens, as a GPU server keeps them
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,30 +34,24 @@ DEVICES = {
 }
 
 
-def kv_dtype(name: str) -> KVDtype:
-    if name not in KV_DTYPES:
-        raise KVServeError(f"unknown KV dtype {name!r}; choose from {', '.join(KV_DTYPES)}")
-    return KV_DTYPES[name]
+def kv_layout(spec: ModelSpec, dtype: str = "bf16", block_size: int = PLANNER_BLOCK_SIZE) -> KVLayout:
+    """The engine's layout for `spec` with KV dtype `dtype`: one name for K and V, or "K/V" (e.g. "int8/int4")."""
+    k, _, v = dtype.partition("/")
+    k, v = ALIASES.get(k, k), ALIASES.get(v or k, v or k)
+    for name in (k, v):
+        if name not in FORMATS:
+            raise KVServeError(f"unknown KV dtype {name!r}; choose from {', '.join([*ALIASES, *FORMATS])} or K/V pairs")
+    return build_layout(spec, k, v, block_size, residual_dtype=PLANNER_RESIDUAL_DTYPE)
 
 
-def value_bytes(elements: int, dtype: KVDtype, group_size: int = DEFAULT_GROUP_SIZE) -> float:
-    """Bytes for `elements` cached values, quantization scales included."""
-    return elements * dtype.bits / 8 + (-(-elements // group_size)) * dtype.scale_bytes_per_group
+def kv_bytes_per_token(spec: ModelSpec, dtype: str = "bf16") -> float:
+    """Bytes one more token adds while every layer still holds it (short contexts), scales included."""
+    return kv_layout(spec, dtype).bytes_per_token
 
 
-def kv_bytes_per_token(spec: ModelSpec, dtype: KVDtype | str = "bf16", group_size: int = DEFAULT_GROUP_SIZE) -> float:
-    """Bytes one more token adds while every layer still holds it (short contexts)."""
-    dtype = kv_dtype(dtype) if isinstance(dtype, str) else dtype
-    return spec.num_layers * value_bytes(spec.kv_elements_per_layer(), dtype, group_size)
-
-
-def kv_bytes(spec: ModelSpec, context: int, batch: int = 1, dtype: KVDtype | str = "bf16",
-             group_size: int = DEFAULT_GROUP_SIZE) -> float:
+def kv_bytes(spec: ModelSpec, context: int, batch: int = 1, dtype: str = "bf16") -> float:
     """KV bytes of `batch` sequences of `context` tokens; sliding-window layers hold at most their window."""
-    dtype = kv_dtype(dtype) if isinstance(dtype, str) else dtype
-    per_layer = value_bytes(spec.kv_elements_per_layer(), dtype, group_size)
-    held = sum(min(context, spec.window_of(i) or context) for i in range(spec.num_layers))
-    return batch * held * per_layer
+    return batch * kv_layout(spec, dtype).bytes_held(context)
 
 
 def mha_factor(spec: ModelSpec) -> float:
@@ -90,11 +76,6 @@ def capacity(spec: ModelSpec, memory: int, contexts: list[int], dtype: str = "bf
     budget = int(memory * utilization) - weights  # negative when the weights alone do not fit
     fits = {c: max(0, int(budget // kv_bytes(spec, c, 1, dtype))) for c in contexts}
     return Capacity(memory, weights, utilization, budget, fits)
-
-
-def blocks_that_fit(budget: int | str, block_size: int, bytes_per_token: float) -> int:
-    """How many KV blocks a byte budget holds: the engine sizes its pool with this."""
-    return int(parse_size(budget) // (block_size * bytes_per_token))
 
 
 @dataclass(frozen=True, slots=True)

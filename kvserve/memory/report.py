@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.memory.planner import DEFAULT_GROUP_SIZE, Device, capacity, kv_bytes, kv_bytes_per_token, kv_dtype, mha_factor, roofline
+from kvserve.memory.planner import Device, capacity, kv_bytes, kv_bytes_per_token, kv_layout, mha_factor, roofline
 from kvserve.memory.spec import ModelSpec
 
 GiB = 2**30
@@ -11,10 +11,9 @@ GiB = 2**30
 
 @dataclass(slots=True)
 class PlanRequest:
-    dtypes: list[str] = field(default_factory=lambda: ["bf16", "fp8", "int4", "2bit"])
+    dtypes: list[str] = field(default_factory=lambda: ["bf16", "fp8", "int8", "int4", "kivi2"])  # "K/V" plans them apart
     contexts: list[int] = field(default_factory=lambda: [4096, 32768, 131072])
     batches: list[int] = field(default_factory=lambda: [1, 8, 32])
-    group_size: int = DEFAULT_GROUP_SIZE
     memory: int | None = None  # total device memory; None: the device's times num_devices
     num_devices: int = 1
     weight_bytes: int | None = None
@@ -24,13 +23,13 @@ class PlanRequest:
 
 def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
     for name in req.dtypes:
-        kv_dtype(name)  # reject an unknown dtype before any work
+        kv_layout(spec, name)  # reject an unknown dtype before any work
     memory = req.memory or device.memory * req.num_devices
     if req.num_devices > 1:  # tensor parallel: the roofline sees the devices' summed FLOP/s and bandwidth
         device = Device(f"{req.num_devices} x {device.name}", device.memory * req.num_devices,
                         device.flops * req.num_devices, device.bandwidth * req.num_devices)
-    kv = {name: {"bytes_per_token": kv_bytes_per_token(spec, name, req.group_size),
-                 "total_bytes": {c: {b: kv_bytes(spec, c, b, name, req.group_size) for b in req.batches} for c in req.contexts}}
+    kv = {name: {"bytes_per_token": kv_bytes_per_token(spec, name),
+                 "total_bytes": {c: {b: kv_bytes(spec, c, b, name) for b in req.batches} for c in req.contexts}}
           for name in req.dtypes}
     cap = {name: capacity(spec, memory, req.contexts, name, req.weight_bytes, req.weight_bits, req.utilization)
            for name in req.dtypes}
@@ -43,7 +42,6 @@ def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
                   "qk_rope_head_dim": spec.qk_rope_head_dim, "sliding_window": spec.sliding_window,
                   "local_layers": sum(spec.window_of(i) is not None for i in range(spec.num_layers)),
                   "params": spec.num_params()},
-        "group_size": req.group_size,
         "mha_factor": mha_factor(spec),
         "kv": kv,
         "capacity": {"memory_bytes": memory, "weight_bytes": first.weight_bytes, "utilization": req.utilization,
@@ -68,7 +66,7 @@ def render(report: dict) -> None:
                   f"full MHA would cache {report['mha_factor']:.1f}x more")
     kv = report["kv"]
     contexts = list(next(iter(kv.values()))["total_bytes"])
-    table = Table(title=f"KV cache (scales per group of {report['group_size']})")
+    table = Table(title="KV cache (scales included; kivi2 keeps the newest 128 tokens in bf16)")
     table.add_column("dtype")
     table.add_column("per token", justify="right")
     for c in contexts:
@@ -106,7 +104,7 @@ def _per_token(value: float) -> str:
     return f"{value:,.0f} B ({value / 1024:,.1f} KiB)"
 
 
-def plot(spec: ModelSpec, dtypes: list[str], max_context: int, path: str, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+def plot(spec: ModelSpec, dtypes: list[str], max_context: int, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,7 +113,7 @@ def plot(spec: ModelSpec, dtypes: list[str], max_context: int, path: str, group_
     contexts = [max(1, int(max_context * i / 64)) for i in range(65)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in dtypes:
-        ax.plot(contexts, [kv_bytes(spec, c, 1, name, group_size) / GiB for c in contexts], label=name)
+        ax.plot(contexts, [kv_bytes(spec, c, 1, name) / GiB for c in contexts], label=name)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("KV cache per request (GiB)")
     ax.set_title(f"{spec.name}: {spec.attention_kind}, {spec.num_layers} layers")

@@ -7,7 +7,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.kernels import native_ops
-from kvserve.layers.attention import ForwardContext, paged_attention
+from kvserve.attention import ForwardContext
 from kvserve.layers.linear import Linear
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
         q = apply_rotary(q.view(tokens, self.heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.kv_heads, self.head_dim), cos, sin)
-        out = paged_attention(q, k, v.view(tokens, self.kv_heads, self.head_dim), self.layer, ctx, self.scale)
+        out = ctx.attention(self.layer, q, k, v.view(tokens, self.kv_heads, self.head_dim), self.scale)
         return self.o_proj(out.view(tokens, -1))
 
 

@@ -159,6 +159,8 @@ class AsyncEngine:
         usage = self.engine.kv_usage()
         share = usage["used_blocks"] / usage["num_blocks"]
         self.metrics.kv_usage.set(share)
+        self.metrics.kv_used_bytes.set(usage["used_bytes"])
+        self.metrics.kv_total_bytes.set(usage["total_bytes"])
         self.metrics.running.set(len(self.engine.scheduler.running))
         self.metrics.waiting.set(len(self.engine.scheduler.waiting))
         now = time.time()
@@ -187,13 +189,16 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, batch)
 
     def _snapshot(self) -> dict:
-        engine, bm = self.engine, self.engine.block_manager
+        engine, kv = self.engine, self.engine.kv_manager
         owners: dict[int, list[str]] = {}
         for seq in engine.sequences.values():
-            for block_id in seq.block_table:
+            for block_id in {b for table in seq.block_tables for b in table}:
                 owners.setdefault(block_id, []).append(seq.request_id)
-        blocks = [{"owners": owners.get(b.id, []), "ref": b.ref_count, "cached": b.hash is not None} for b in bm.blocks]
-        return {"blocks": blocks, "block_size": bm.block_size, "usage": engine.kv_usage(),
+        pools = [(kv.pool, False)] + ([(kv.residual, True)] if kv.residual else [])
+        blocks = [{"owners": owners.get(b.id, []), "ref": b.ref_count, "cached": b.hash is not None, "residual": residual}
+                  for pool, residual in pools for b in pool.blocks]
+        layout = {**engine.layout.to_dict(), "description": engine.layout.describe()}
+        return {"blocks": blocks, "block_size": kv.block_size, "layout": layout, "usage": engine.kv_usage(),
                 "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                 "history": list(self.usage_history), **self.recent.summary()}
 

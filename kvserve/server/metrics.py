@@ -1,15 +1,16 @@
 """Prometheus metrics, named in the style of vLLM's (`kvserve:` prefix), on a registry per server."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kvserve.engine.scheduler import SchedulerStats
+from kvserve.kv.spec import KVLayout
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
 class Metrics:
-    def __init__(self, model: str):
+    def __init__(self, model: str, layout: KVLayout):
         self.registry = CollectorRegistry()
         labels, r = {"model_name": model}, self.registry
 
@@ -27,6 +28,12 @@ class Metrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by requests (0-1).")
+        self.kv_used_bytes = gauge("kv_cache_used_bytes", "KV bytes held by requests, residual blocks included.")
+        self.kv_total_bytes = gauge("kv_cache_total_bytes", "KV bytes of the whole pool, residual blocks included.")
+        gauge("kv_cache_bytes_per_token", "KV bytes one more cached token takes (all layers, scales included).").set(
+            layout.bytes_per_token)
+        Info("kvserve:kv_cache_layout", "How K and V are stored.", ["model_name"], registry=r).labels(**labels).info(
+            {k: str(v) for k, v in layout.to_dict().items()})
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")

@@ -1,0 +1,50 @@
+"""Attention over the paged KV cache for a flattened batch of tokens from many sequences.
+
+The model runner splits a step's sequences into query groups (decodes with one query each; prefill
+chunks) and pads each group to a rectangle, so one call per group covers every sequence in it. A layer
+hands its new q/k/v to the step's backend, which writes K/V at their slots and attends over the cache:
+layers never touch cache tensors, and a new KV layout or kernel is a backend, not a model change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvserve.attention.sdpa import SDPABackend
+
+
+@dataclass(slots=True)
+class QueryGroup:
+    query_index: torch.Tensor  # [B, Q] flat token index of each query (padding repeats a real one)
+    query_valid: torch.Tensor  # [V] where each valid (non-padding) query sits in the flattened [B * Q]
+    block_tables: list[torch.Tensor]  # per KV layer group: [B, N] each sequence's blocks; keys at positions 0..N*block_size-1
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool, True where a query may attend; None: see is_causal
+    flat_index: torch.Tensor  # flat token index of each valid query, in query_valid order
+    context_lens: torch.Tensor  # [B] keys each sequence has after this step
+    # Every sequence starts at position 0, so query i sees keys 0..i: SDPA's own causal mask, which lets
+    # it skip the blocks above the diagonal that an explicit mask would make it compute.
+    is_causal: bool = False
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_index.shape[1] == 1
+
+    def to(self, device: torch.device) -> QueryGroup:
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return QueryGroup(move(self.query_index), move(self.query_valid), [move(t) for t in self.block_tables],
+                          move(self.mask), move(self.flat_index), move(self.context_lens), self.is_causal)
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    positions: torch.Tensor  # [T]
+    slot_mappings: list[torch.Tensor]  # per KV layer group: [T] where each token's K/V is written
+    groups: list[QueryGroup]
+    backend: SDPABackend
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
+        return self.backend.forward(layer, q, k, v, self, scale)

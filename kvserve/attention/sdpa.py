@@ -1,0 +1,35 @@
+"""The backend for every layout on every device: gather each query group's blocks (dequantized by the
+layout's formats) and run torch's scaled_dot_product_attention."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention import ForwardContext, QueryGroup
+from kvserve.kv.cache import KVCache
+
+
+class SDPABackend:
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        g, j = self.cache.slot[layer]
+        self.cache.write(j, k, v, ctx.slot_mappings[g])
+        out = torch.empty_like(q)
+        for group in ctx.groups:
+            out[group.flat_index] = self.attend(j, q, group, group.block_tables[g], scale)
+        return out
+
+    def attend(self, j: int, q: torch.Tensor, group: QueryGroup, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+        """The group's valid queries' outputs [V, H, D], over layer j's cache."""
+        keys, values = self.cache.gather(j, block_tables)
+        repeat = q.shape[1] // keys.shape[2]
+        if q.device.type == "cuda" and repeat > 1:  # CUDA's fused kernels take no enable_gqa; the math one is slow
+            keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)
+        queries = q[group.query_index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+            attn_mask=group.mask, is_causal=group.is_causal, scale=scale, enable_gqa=keys.shape[2] != q.shape[1],
+        )
+        return o.transpose(1, 2).flatten(0, 1)[group.query_valid]

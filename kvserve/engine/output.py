@@ -1,0 +1,79 @@
+"""After a forward pass: count the computed tokens, hash full blocks, append the sampled tokens (several per
+sequence once speculation lands), detokenize, check stops, and say which requests finished."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.scheduler import ScheduledBatch
+from kvserve.engine.sequence import Sequence
+from kvserve.kv.manager import KVManager
+from kvserve.layers.sampler import SamplerOutput
+from kvserve.outputs import RequestOutput, TokenLogprob
+
+
+class OutputProcessor:
+    def __init__(self, kv: KVManager, tokenizer, eos_token_ids: set[int], max_request_tokens: int,
+                 finish: Callable[[Sequence, str], None]):
+        self.kv, self.tokenizer, self.eos_token_ids = kv, tokenizer, eos_token_ids
+        self.max_request_tokens, self.finish = max_request_tokens, finish
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def add(self, seq: Sequence) -> None:
+        if self.tokenizer is not None:
+            self.detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.token_ids)
+
+    def drop(self, request_id: str) -> None:
+        self.detokenizers.pop(request_id, None)
+
+    def process(self, batch: ScheduledBatch, rows: list[int], sampled: SamplerOutput | None) -> list[RequestOutput]:
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
+        if sampled is None:
+            return []
+        return [self.append(batch.seqs[row], [token], sampled.logprobs, [i])
+                for i, (row, token) in enumerate(zip(rows, sampled.token_ids))]
+
+    def append(self, seq: Sequence, tokens: list[int], logprobs: torch.Tensor | None, logprob_rows: list[int]) -> RequestOutput:
+        """Append tokens up to the first that finishes the request; the output carries the new text."""
+        now, metrics, previous = time.perf_counter(), seq.metrics, seq.text
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        detokenizer, reason, new = self.detokenizers.get(seq.request_id), None, []
+        for token, row in zip(tokens, logprob_rows):
+            seq.token_ids.append(token)
+            new.append(token)
+            metrics.num_output_tokens += 1
+            if seq.logprobs is not None:
+                seq.logprobs.append(_token_logprob(logprobs[row], token, seq.params.logprobs))
+            seq.text, reason = self._check_stop(seq, token, seq.text + (detokenizer.push(token) if detokenizer else ""))
+            if reason is not None:
+                break
+        metrics.kv_bytes = self.kv.kv_bytes(seq)
+        if reason is not None:
+            metrics.finished_time = now
+            self.finish(seq, reason)
+        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], seq.text,
+                             seq.output_token_ids, seq.finish_reason, metrics, seq.logprobs, seq.text[len(previous):], new)
+
+    def _check_stop(self, seq: Sequence, token: int, text: str) -> tuple[str, str | None]:
+        """The output text (cut before a stop string) and the finish reason, if the sequence is done."""
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return text, "stop"
+        for stop in params.stop:
+            at = text.find(stop, max(0, len(seq.text) - len(stop) + 1))
+            if at != -1:
+                return text[:at], "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_request_tokens:
+            return text, "length"
+        return text, None
+
+
+def _token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    values, ids = logprobs.topk(top) if top else (torch.empty(0), torch.empty(0, dtype=torch.long))
+    return TokenLogprob(token, float(logprobs[token]), dict(zip(ids.tolist(), values.tolist())))

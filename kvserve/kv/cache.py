@@ -1,0 +1,97 @@
+"""The KV tensors, shaped by the layout.
+
+For the i-th layer of every layer group (groups share tensors), K and V each have one tensor per part of
+their format, [num_blocks, *part shape]. A kivi2 layout adds float tensors for the residual pool, whose
+block ids follow the main pool's. A token's slot is block_id * block_size + offset. Every write, read,
+pack and swap of cached values goes through this class.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.kv.formats import KVFormat
+from kvserve.kv.spec import KVLayout
+
+Store = dict[str, torch.Tensor]  # a format's parts for one layer's K or V
+
+
+class KVCache:
+    def __init__(self, layout: KVLayout, num_blocks: int, num_residual: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.layout, self.num_blocks, self.num_residual, self.dtype = layout, num_blocks, num_residual, dtype
+        self.block_size = layout.block_size
+        self.slot = {layer: (g, j) for g, group in enumerate(layout.groups) for j, layer in enumerate(group.layers)}
+        spec, n = layout.groups[0].spec, layout.layers_per_group
+        self.k = [_allocate(layout.k_format, num_blocks, layout, spec.k_dim, device) for _ in range(n)]
+        self.v = [_allocate(layout.v_format, num_blocks, layout, spec.v_dim, device) for _ in range(n)]
+        self.residual_k = self.residual_v = None
+        if layout.has_residual:
+            self.residual_k = [_allocate(layout.residual_format, num_residual, layout, spec.k_dim, device) for _ in range(n)]
+            self.residual_v = [_allocate(layout.residual_format, num_residual, layout, spec.v_dim, device) for _ in range(n)]
+        self._main = [t for stores in (self.k, self.v) for store in stores for t in store.values()]
+        self._residual = [t for stores in (self.residual_k or [], self.residual_v or []) for store in stores for t in store.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._main + self._residual)
+
+    @property
+    def device(self) -> torch.device:
+        return self._main[0].device
+
+    def write(self, j: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """K/V [T, heads, dim] of new tokens at their slots, in the j-th layer of a group."""
+        if self.residual_k is not None:  # new tokens always land in residual blocks
+            stores, formats = (self.residual_k[j], self.residual_v[j]), (self.layout.residual_format,) * 2
+            slots = slots - self.num_blocks * self.block_size
+        else:
+            stores, formats = (self.k[j], self.v[j]), (self.layout.k_format, self.layout.v_format)
+        for store, fmt, x in zip(stores, formats, (k, v)):
+            for name, part in fmt.quantize_tokens(x).items():
+                store[name].flatten(0, 1).index_copy_(0, slots, part)
+
+    def gather(self, j: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks in `block_tables` ([batch, blocks]), dequantized, as [batch, blocks * block_size, heads, dim]."""
+        flat = block_tables.reshape(-1)
+        keys = self._gather(self.k[j], self.layout.k_format, self.residual_k, j, flat)
+        values = self._gather(self.v[j], self.layout.v_format, self.residual_v, j, flat)
+        return keys.unflatten(0, (block_tables.shape[0], -1)), values.unflatten(0, (block_tables.shape[0], -1))
+
+    def _gather(self, store: Store, fmt: KVFormat, residual: list[Store] | None, j: int, ids: torch.Tensor) -> torch.Tensor:
+        if residual is None:
+            return fmt.dequantize_blocks({name: t.index_select(0, ids) for name, t in store.items()}, self.dtype).flatten(0, 1)
+        in_residual = ids >= self.num_blocks
+        main = fmt.dequantize_blocks({name: t.index_select(0, ids.clamp(max=self.num_blocks - 1)) for name, t in store.items()}, self.dtype)
+        floats = residual[j]["data"].index_select(0, (ids - self.num_blocks).clamp(min=0)).to(self.dtype)
+        return torch.where(in_residual[:, None, None, None], floats, main).flatten(0, 1)
+
+    def pack(self, pairs: list[tuple[int, int]]) -> None:
+        """Quantize residual blocks into main blocks: (residual id, main id) pairs."""
+        src = torch.tensor([s - self.num_blocks for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        layout = self.layout
+        for j in range(layout.layers_per_group):
+            for store, fmt, residual in ((self.k[j], layout.k_format, self.residual_k[j]), (self.v[j], layout.v_format, self.residual_v[j])):
+                for name, part in fmt.quantize_blocks(residual["data"].index_select(0, src)).items():
+                    store[name].index_copy_(0, dst, part)
+
+    def copy_out(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """The blocks' values copied to CPU memory (swap-out for preemption)."""
+        main, residual = self._split(block_ids)
+        return [t[main].to("cpu", copy=True) for t in self._main] + [t[residual].to("cpu", copy=True) for t in self._residual]
+
+    def copy_in(self, block_ids: list[int], saved: list[torch.Tensor]) -> None:
+        """Values saved by copy_out into blocks of the same pools, in the same order."""
+        main, residual = self._split(block_ids)
+        targets = [(t, main) for t in self._main] + [(t, residual) for t in self._residual]
+        for (t, ids), values in zip(targets, saved):
+            t[ids] = values.to(t.device)
+
+    def _split(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(block_ids, device=self.device, dtype=torch.long)
+        return ids[ids < self.num_blocks], ids[ids >= self.num_blocks] - self.num_blocks
+
+
+def _allocate(fmt: KVFormat, num_blocks: int, layout: KVLayout, dim: int, device) -> Store:
+    heads = layout.groups[0].spec.num_heads
+    return {name: torch.zeros((num_blocks, *part.shape), dtype=part.dtype, device=device)
+            for name, part in fmt.parts(layout.block_size, heads, dim).items()}

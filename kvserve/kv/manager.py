@@ -1,0 +1,200 @@
+"""Which blocks each request holds: one block table per layer group, all drawn from one pool.
+
+A full block's hash chains its parent's hash with its token ids (the root mixes in the engine's salt,
+which names the layout, and the request's cache_salt), so equal hashes mean equal prefixes. Only blocks
+that will never change are shared: full blocks of computed tokens; with a kivi2 layout, only packed ones.
+
+kivi2: new tokens go to float blocks of a second, residual pool; once a block's tokens are all
+`residual_tokens` older than the newest, the block is packed (2-bit) into a main-pool block. The manager
+decides which; the model runner moves the values (`take_packs`). Until then a pack stays pending: its
+residual block is not handed out again and its packed block not shared, and freeing or swapping out the
+sequence undoes it, so no block's values are needed in two states within one step.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from kvserve.engine.sequence import Sequence
+from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.spec import KVLayout
+
+
+class KVManager:
+    def __init__(self, layout: KVLayout, num_blocks: int, num_residual: int, enable_prefix_caching: bool, salt: str):
+        self.layout, self.block_size, self.num_groups = layout, layout.block_size, len(layout.groups)
+        self.pool = BlockPool(num_blocks)
+        self.residual = BlockPool(num_residual, first_id=num_blocks) if layout.has_residual else None
+        self.enable_prefix_caching = enable_prefix_caching
+        self.salt = f"{salt}|{layout.k_format.name}|{layout.v_format.name}|{layout.block_size}|{layout.residual_tokens}".encode()
+        self.pending: list[tuple[Sequence, int, int]] = []  # (sequence, group, logical block) packed this step
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks (of every group) that hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size) * self.num_groups
+
+    def max_tokens_per_request(self) -> int:
+        return self.pool.num_blocks // self.num_groups * self.block_size + self.layout.residual_tokens
+
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """Point a new sequence's block tables at the longest cached prefix; returns the tokens reused."""
+        assert not any(seq.block_tables) and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        self._hash_full_blocks(seq)
+        bs, hits = self.block_size, []
+        for i in range((seq.num_tokens - 1) // bs):  # the last token is always computed, for its logits
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            ids = [self.pool.lookup(_group_key(seq.block_hashes[i], g), tokens) for g in range(self.num_groups)]
+            if None in ids:
+                break
+            hits.append(ids)
+        for ids in hits:
+            for table, block_id in zip(seq.block_tables, ids):
+                self.pool.take(block_id)
+                table.append(block_id)
+        seq.num_hashed_blocks = seq.num_packed_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * bs
+        return seq.num_computed_tokens
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more tokens (and pack aged residual blocks); False, changing
+        nothing, if a pool is short."""
+        packs = range(seq.num_packed_blocks, self._packable(seq))
+        new = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_tables[0])
+        new_pool = self.residual or self.pool
+        main_needed = len(packs) * self.num_groups + (0 if self.residual else new * self.num_groups)
+        if main_needed > self.pool.num_free or (self.residual and new * self.num_groups > self.residual.num_free):
+            return False
+        for i in packs:
+            self._pack(seq, i)
+        seq.num_packed_blocks = max(seq.num_packed_blocks, packs.stop)
+        for _ in range(new):
+            for table in seq.block_tables:
+                table.append(new_pool.allocate())
+        return True
+
+    def take_packs(self) -> list[tuple[int, int]]:
+        """This step's packs, as (residual block, main block), made final: the residual blocks go back to their
+        pool and the packed ones into the prefix cache."""
+        packs = []
+        for seq, g, i in self.pending:
+            src, dst = seq.packing.pop((g, i)), seq.block_tables[g][i]
+            packs.append((src, dst))
+            self.residual.release(src)
+            if self.enable_prefix_caching:
+                self._hash_full_blocks(seq)
+                self._register(seq, i, g)
+        self.pending = []
+        return packs
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's blocks that are full of computed tokens in the prefix cache (kivi2: at packing)."""
+        full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or self.residual or full <= seq.num_hashed_blocks:
+            return
+        self._hash_full_blocks(seq)
+        for i in range(seq.num_hashed_blocks, full):
+            self._register(seq, i)
+        seq.num_hashed_blocks = full
+
+    def free(self, seq: Sequence) -> None:
+        if seq.packing:
+            self._undo_packs(seq)
+        # Tail blocks go to the free queue first, so they are evicted before the prefix they extend.
+        for table in seq.block_tables:
+            for block_id in reversed(table):
+                self._pool_of(block_id).release(block_id)
+            table.clear()
+        seq.num_hashed_blocks = seq.num_packed_blocks = 0
+
+    def swap_out(self, seq: Sequence) -> list[int]:
+        """Free the sequence's blocks, remembering which pool each came from; returns the blocks whose
+        values must be copied out first (those of computed tokens, every group in turn)."""
+        if seq.packing:
+            self._undo_packs(seq)
+        used = -(-seq.num_computed_tokens // self.block_size)
+        ids = [block_id for table in seq.block_tables for block_id in table[:used]]
+        seq.swapped_kinds = [[self.residual is not None and b in self.residual for b in table[:used]] for table in seq.block_tables]
+        self.free(seq)
+        return ids
+
+    def swap_in(self, seq: Sequence) -> list[int] | None:
+        """Blocks for a swapped-out sequence's values, from the pools they came from, in swap_out's order;
+        None, changing nothing, if a pool is short."""
+        kinds = seq.swapped_kinds
+        residual_needed = sum(map(sum, kinds))
+        if sum(map(len, kinds)) - residual_needed > self.pool.num_free or \
+                (self.residual and residual_needed > self.residual.num_free):
+            return None
+        ids = []
+        for table, table_kinds in zip(seq.block_tables, kinds):
+            for is_residual in table_kinds:
+                table.append((self.residual if is_residual else self.pool).allocate())
+                ids.append(table[-1])
+        seq.num_packed_blocks = next((i for i, r in enumerate(kinds[0]) if r), len(kinds[0]))
+        seq.swapped_kinds = None
+        return ids
+
+    def kv_bytes(self, seq: Sequence) -> int:
+        """Bytes the sequence's computed tokens take in the cache."""
+        packed = min(seq.num_packed_blocks * self.block_size, seq.num_computed_tokens) if self.residual else seq.num_computed_tokens
+        layout = self.layout
+        return int(packed * layout.bytes_per_token + (seq.num_computed_tokens - packed) * layout.residual_bytes_per_token)
+
+    def usage(self) -> dict[str, int]:
+        """Blocks and bytes of the pools, now."""
+        pool, block_bytes = self.pool, self.layout.block_bytes()
+        usage = {"num_blocks": pool.num_blocks, "used_blocks": pool.num_used, "cached_blocks": pool.num_cached_free,
+                 "free_blocks": pool.num_free - pool.num_cached_free, "used_bytes": pool.num_used * block_bytes,
+                 "free_bytes": pool.num_free * block_bytes, "total_bytes": pool.num_blocks * block_bytes}
+        if self.residual:
+            res, res_bytes = self.residual, self.layout.block_bytes(residual=True)
+            usage.update(residual_blocks=res.num_blocks, residual_used_blocks=res.num_used)
+            usage["used_bytes"] += res.num_used * res_bytes
+            usage["free_bytes"] += res.num_free * res_bytes
+            usage["total_bytes"] += res.num_blocks * res_bytes
+        return usage
+
+    def _packable(self, seq: Sequence) -> int:
+        """Leading logical blocks whose tokens are all residual_tokens older than the newest computed one."""
+        if not self.residual:
+            return 0
+        return max(0, (seq.num_computed_tokens - self.layout.residual_tokens) // self.block_size)
+
+    def _pack(self, seq: Sequence, i: int) -> None:
+        for g, table in enumerate(seq.block_tables):
+            seq.packing[(g, i)], table[i] = table[i], self.pool.allocate()
+            self.pending.append((seq, g, i))
+
+    def _undo_packs(self, seq: Sequence) -> None:
+        for (g, i), src in seq.packing.items():
+            self.pool.release(seq.block_tables[g][i])
+            seq.block_tables[g][i] = src
+        seq.num_packed_blocks = min(i for _, i in seq.packing)
+        seq.packing.clear()
+        self.pending = [p for p in self.pending if p[0] is not seq]
+
+    def _register(self, seq: Sequence, i: int, group: int | None = None) -> None:
+        tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+        for g, table in enumerate(seq.block_tables):
+            if group is None or g == group:
+                self.pool.register(table[i], _group_key(seq.block_hashes[i], g), tokens)
+
+    def _pool_of(self, block_id: int) -> BlockPool:
+        return self.pool if block_id in self.pool else self.residual
+
+    def _hash_full_blocks(self, seq: Sequence) -> None:
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else self.salt + (seq.params.cache_salt or "").encode()
+            tokens = array("q", seq.token_ids[i * bs:(i + 1) * bs]).tobytes()
+            seq.block_hashes.append(hashlib.sha256(parent + tokens).digest())
+
+
+def _group_key(block_hash: bytes, group: int) -> bytes:
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")

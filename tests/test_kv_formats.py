@@ -1,0 +1,168 @@
+"""KV formats: round trips within each format's bound, and attention over quantized blocks (the native kernel
+for decode, SDPA for prefill chunks) equal to attention over the dequantized copy."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import KVServeError
+from kvserve.attention.cpu_native import NativeCPUBackend
+from kvserve.attention.sdpa import SDPABackend
+from kvserve.engine.model_runner import _group
+from kvserve.kernels import native_ops
+from kvserve.kv.cache import KVCache
+from kvserve.kv.formats import FORMATS, get_format, pack_bits, unpack_bits
+from kvserve.kv.spec import build_layout
+from kvserve.memory import ModelSpec
+
+G = torch.Generator().manual_seed(0)
+
+
+def _values(*shape: int) -> torch.Tensor:
+    """Normal values with a few large outliers in fixed channels, as real keys have."""
+    x = torch.randn(*shape, generator=G)
+    x[..., 3] *= 8
+    return x
+
+
+def test_pack_bits_round_trips():
+    for bits in (2, 4):
+        codes = torch.randint(0, 2**bits, (5, 3, 64), generator=G, dtype=torch.uint8)
+        packed = pack_bits(codes, bits)
+        assert packed.shape == (5, 3, 64 * bits // 8)
+        assert torch.equal(unpack_bits(packed, bits), codes)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_per_group_integers_within_half_a_step(name):
+    fmt, x = get_format(name, "k"), _values(40, 2, 64)
+    y = fmt.dequantize_tokens(fmt.quantize_tokens(x), torch.float32)
+    groups = x.unflatten(-1, (-1, 32))
+    step = groups.abs().amax(-1) / 127 if name == "int8" else (groups.amax(-1) - groups.amin(-1)) / 15
+    err = (y - x).abs().unflatten(-1, (-1, 32)).amax(-1)
+    assert (err <= step / 2 * 1.01 + 1e-6).all()  # fp16 scales round by at most 2^-11
+    assert (err > 0).any()
+
+
+def test_kivi2_keys_per_channel_values_per_token():
+    x = _values(3, 16, 2, 64)  # [blocks, block_size, heads, dim]
+    keys, values = get_format("kivi2", "k"), get_format("kivi2", "v")
+    assert not keys.per_token and values.per_token
+    k = keys.dequantize_blocks(keys.quantize_blocks(x), torch.float32)
+    k_step = (x.amax(1) - x.amin(1)) / 3  # per block, head and channel: over the block's tokens
+    assert ((k - x).abs().amax(1) <= k_step / 2 * 1.01 + 1e-6).all()
+    v = values.dequantize_blocks(values.quantize_blocks(x), torch.float32)
+    groups = x.unflatten(-1, (-1, 32))
+    v_step = (groups.amax(-1) - groups.amin(-1)) / 3  # per token and group of 32 channels
+    assert ((v - x).abs().unflatten(-1, (-1, 32)).amax(-1) <= v_step / 2 * 1.01 + 1e-6).all()
+    # per channel suits keys' outlier channels: a smaller error than per token on the same values
+    per_token = values.dequantize_blocks(values.quantize_blocks(x), torch.float32)
+    assert (k - x).abs().mean() < (per_token - x).abs().mean()
+
+
+@pytest.mark.parametrize("name,rel", [("bfloat16", 2**-8), ("float16", 2**-11), ("fp8_e4m3", 2**-4), ("fp8_e5m2", 2**-3)])
+def test_float_formats_round_to_their_precision(name, rel):
+    fmt, x = get_format(name, "k"), torch.randn(100, 2, 32, generator=G) + 3  # away from fp8's subnormals
+    y = fmt.dequantize_tokens(fmt.quantize_tokens(x), torch.float32)
+    assert ((y - x).abs() <= x.abs() * rel).all()
+
+
+def test_fp8_saturates_instead_of_overflowing():
+    fmt = get_format("fp8_e4m3", "k")
+    y = fmt.dequantize_tokens(fmt.quantize_tokens(torch.tensor([[[1e4, -1e4, 1.0]]])), torch.float32)
+    assert y.tolist() == [[[448.0, -448.0, 1.0]]]
+
+
+def test_bad_kv_dtypes_are_clear_errors(tiny_model_dir):
+    from kvserve import LLM
+
+    with pytest.raises(KVServeError, match="kv_cache_dtype must be one of auto, float32.*kivi2, got 'int3'"):
+        LLM(str(tiny_model_dir), kv_cache_dtype="int3")
+    with pytest.raises(KVServeError, match="cache_type_v must be one of"):
+        LLM(str(tiny_model_dir), cache_type_v="q4_0")
+    with pytest.raises(KVServeError, match="kivi_residual must be a multiple of the block size \\(16\\), got 100"):
+        LLM(str(tiny_model_dir), kv_cache_dtype="kivi2", kivi_residual=100)
+    with pytest.raises(KVServeError, match="int4 quantizes groups of 32 values along head_dim, but head_dim is 16"):
+        LLM(str(tiny_model_dir), kv_cache_dtype="int4")
+    with pytest.raises(KVServeError, match="static baseline"):
+        LLM(str(tiny_model_dir), kv_cache_dtype="kivi2", scheduler="static")
+
+
+# Attention over quantized blocks -------------------------------------------------------------------------------
+
+SPEC = ModelSpec("attn", num_layers=1, hidden_size=256, num_heads=6, num_kv_heads=2, head_dim=64, intermediate_size=1, vocab_size=1)
+LENS = [1, 15, 16, 17, 40]  # ragged, ending before, on and after block boundaries
+BS = 16
+
+
+def _filled_cache(k_dtype: str, v_dtype: str) -> tuple[KVCache, list[torch.Tensor]]:
+    """A cache holding random K/V for sequences of LENS tokens in scattered blocks (kivi2: packed, with
+    the newest 16 tokens still in residual blocks)."""
+    layout = build_layout(SPEC, k_dtype, v_dtype, BS, residual_tokens=16)
+    num_blocks, num_residual = 24, 24
+    cache = KVCache(layout, num_blocks, num_residual if layout.has_residual else 0, torch.float32)
+    order = torch.randperm(num_blocks, generator=G).tolist()
+    tables = []
+    for n in LENS:
+        blocks = -(-n // BS)
+        ids = [order.pop() + (num_blocks if layout.has_residual else 0) for _ in range(blocks)]
+        slots = torch.tensor([ids[t // BS] * BS + t % BS for t in range(n)])
+        cache.write(0, _values(n, 2, 64), _values(n, 2, 64), slots)
+        if layout.has_residual:  # pack every block older than the newest 16 tokens
+            packed = max(0, (n - 16) // BS)
+            fresh = [order.pop() for _ in range(packed)]
+            if packed:
+                cache.pack(list(zip(ids[:packed], fresh)))
+            ids[:packed] = fresh
+        tables.append(torch.tensor(ids + [0] * (3 - len(ids))))
+    return cache, tables
+
+
+def _reference(cache: KVCache, table: torch.Tensor, q: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """Plain softmax attention over the dequantized copy: query i sees keys 0..positions[i]."""
+    keys, values = (x[0].repeat_interleave(3, dim=1) for x in cache.gather(0, table[None]))  # [L, H, D]
+    out = []
+    for qi, p in zip(q, positions):
+        scores = torch.einsum("hd,lhd->hl", qi, keys[: p + 1]) / 8
+        out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values[: p + 1]))
+    return torch.stack(out)
+
+
+DTYPES = [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"), ("fp8_e4m3", "fp8_e4m3"),
+          ("fp8_e5m2", "fp8_e5m2"), ("int8", "int8"), ("int4", "int4"), ("kivi2", "kivi2"), ("int8", "int4"), ("kivi2", "int8")]
+
+
+@pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
+@pytest.mark.parametrize("k_dtype,v_dtype", DTYPES, ids=lambda d: d)
+def test_native_decode_equals_attention_over_dequantized_copy(k_dtype, v_dtype):
+    cache, tables = _filled_cache(k_dtype, v_dtype)
+    lens = torch.tensor(LENS)
+    q = torch.randn(len(LENS), 6, 64, generator=G)
+    group = _group(torch.ones(len(LENS), dtype=torch.bool), lens - 1, torch.ones(len(LENS), dtype=torch.long),
+                   torch.arange(len(LENS)), [torch.stack(tables)], BS)
+    out = NativeCPUBackend(cache).attend(0, q, group, group.block_tables[0], 1 / 8)
+    for b, n in enumerate(LENS):
+        torch.testing.assert_close(out[b], _reference(cache, tables[b], q[b:b + 1], [n - 1])[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k_dtype,v_dtype", DTYPES, ids=lambda d: d)
+def test_prefill_chunks_attend_over_dequantized_copy(k_dtype, v_dtype):
+    cache, tables = _filled_cache(k_dtype, v_dtype)
+    counts = torch.tensor([1, 5, 16, 3, 24])  # each sequence's last `count` tokens are this step's chunk
+    starts = torch.tensor(LENS) - counts
+    offsets = torch.cumsum(counts, 0) - counts
+    q = torch.randn(int(counts.sum()), 6, 64, generator=G)
+    group = _group(counts > 0, starts, counts, offsets, [torch.stack(tables)], BS)
+    out = torch.empty_like(q)
+    out[group.flat_index] = SDPABackend(cache).attend(0, q, group, group.block_tables[0], 1 / 8)
+    for b, n in enumerate(LENS):
+        rows = slice(int(offsets[b]), int(offsets[b] + counts[b]))
+        expected = _reference(cache, tables[b], q[rows], list(range(int(starts[b]), n)))
+        torch.testing.assert_close(out[rows], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_formats_declare_the_bytes_they_allocate(name):
+    layout = build_layout(SPEC, name, name, BS)
+    cache = KVCache(layout, 5, 0, torch.float32)
+    assert cache.nbytes == 5 * layout.block_bytes()

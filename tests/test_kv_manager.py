@@ -1,0 +1,81 @@
+"""Property-based, for every KV layout: random arrivals, lengths, aborts and tiny pools never leak, double free
+or deadlock, and prefix-cache hits still happen."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve import LLM, KVServeError
+from tests.conftest import greedy
+
+PREFIXES = [list(range(1, 13)), list(range(20, 32))]
+
+
+LAYOUTS = ["float32", "int8", "int4", "kivi2"]
+
+
+def check_invariants(engine) -> None:
+    kv = engine.kv_manager
+    owners: dict[int, int] = {}
+    for seq in engine.sequences.values():
+        assert len({len(t) for t in seq.block_tables}) == 1 and not seq.packing
+        for block_id in (b for table in seq.block_tables for b in table):
+            owners[block_id] = owners.get(block_id, 0) + 1
+        if kv.residual:  # packed blocks lead, residual blocks follow
+            kinds = [b in kv.residual for b in seq.block_tables[0]]
+            assert kinds == [False] * seq.num_packed_blocks + [True] * (len(kinds) - seq.num_packed_blocks)
+    for pool in [kv.pool] + ([kv.residual] if kv.residual else []):
+        for block in pool.blocks:
+            assert block.ref_count == owners.get(block.id, 0), f"block {block.id} ref count {block.ref_count}"
+            assert (block.ref_count == 0) == (block.id in pool.free_ids)
+        assert pool.num_cached_free == sum(1 for i in pool.free_ids if pool.block(i).hash is not None)
+        assert all(pool.block(i).hash == h for h, i in pool.cached.items())
+    assert not kv.residual or not kv.residual.cached  # float residual blocks are never shared
+    assert not kv.pending
+
+
+request = st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(1, 12), st.integers(0, 4))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir_d32):
+    cache = {}
+
+    def get(num_blocks, budget, mode, prefix, layout):
+        key = (num_blocks, budget, mode, prefix, layout)
+        if key not in cache:
+            cache[key] = LLM(str(tiny_model_dir_d32), num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
+                             max_num_seqs=4, preemption_mode=mode, enable_prefix_caching=prefix, kv_cache_dtype=layout,
+                             kivi_residual=8).engine
+        return cache[key]
+    return get
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(num_blocks=st.sampled_from([4, 6, 10]), budget=st.sampled_from([3, 8, 64]), mode=st.sampled_from(["recompute", "swap"]),
+       prefix=st.booleans(), layout=st.sampled_from(LAYOUTS), requests=st.lists(request, min_size=1, max_size=8),
+       abort_at=st.lists(st.integers(0, 30), max_size=3))
+def test_random_workloads_never_leak_or_deadlock(engines, num_blocks, budget, mode, prefix, layout, requests, abort_at):
+    engine = engines(num_blocks, budget, mode, prefix, layout)
+    pending = list(requests)  # (prefix index or 2 for none, extra tokens, max_tokens, arrival step)
+    ids, finished, step = [], set(), 0
+    while pending or engine.has_unfinished_requests():
+        for item in [r for r in pending if r[3] <= step]:
+            pending.remove(item)
+            which, extra, max_tokens, _ = item
+            prompt = (PREFIXES[which] if which < 2 else []) + [100 + (step * 7 + i) % 100 for i in range(extra)]
+            try:
+                ids.append(engine.add_request(prompt, greedy(max_tokens)))
+            except KVServeError:
+                assert len(prompt) + max_tokens > engine.max_request_tokens  # only a request that cannot fit is refused
+        if step in abort_at and ids:
+            engine.abort_request(ids[step % len(ids)])
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        check_invariants(engine)
+        step += 1
+        assert step < 2000, "no progress: deadlock"
+    kv = engine.kv_manager
+    assert kv.pool.num_used == 0 and all(b.ref_count == 0 for b in kv.pool.blocks)
+    assert not kv.residual or kv.residual.num_used == 0
+    assert not engine.sequences
