@@ -58,6 +58,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs: None for the first token
 
     @property
     def finished(self) -> bool:

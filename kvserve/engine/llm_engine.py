@@ -45,7 +45,7 @@ class LLMEngine:
         k_dtype, v_dtype = config.kv_dtypes
         self.layout = build_layout(spec_from_hf_config(self.checkpoint.hf_config, config.model), k_dtype, v_dtype,
                                    config.block_size, config.kivi_residual, config.dtype)
-        num_blocks, num_residual = pool_sizes(self.layout, config)
+        num_blocks, num_residual = pool_sizes(self.layout, config, self.max_model_len)
         self.runner = ModelRunner(self.checkpoint, config, self.max_model_len, self.layout, num_blocks, num_residual)
         self.kv_manager = KVManager(self.layout, num_blocks, num_residual, config.enable_prefix_caching,
                                     salt=f"{config.model}|{config.dtype}")
@@ -153,17 +153,23 @@ class LLMEngine:
         return self.kv_manager.usage()
 
 
-def pool_sizes(layout: KVLayout, config: EngineConfig) -> tuple[int, int]:
-    """Main and residual blocks: a kivi2 layout first sets aside float blocks for the newest tokens of
-    max_num_seqs requests and one step's new tokens; the rest of kv_cache_memory holds main blocks."""
-    num_residual = 0
+def pool_sizes(layout: KVLayout, config: EngineConfig, max_model_len: int) -> tuple[int, int]:
+    """Main and residual blocks. A kivi2 layout sets aside float blocks for its requests' newest tokens: enough for
+    max_num_seqs requests, but no larger a share of kv_cache_memory than makes both pools fill together when every
+    request is max_model_len long (a lack of residual blocks just preempts, like a lack of main ones), and never
+    less than one request needs. A step's new tokens are all residual, and so are the last step's until this one
+    packs them (a packed block is handed out again only the step after): two steps' tokens."""
+    budget, num_residual = parse_size(config.kv_cache_memory), 0
     if layout.has_residual:
-        per_seq = layout.residual_tokens // layout.block_size + 2
-        num_residual = (config.max_num_seqs * per_seq + -(-config.max_num_batched_tokens // layout.block_size)) * len(layout.groups)
+        bs, groups, res_bytes = layout.block_size, len(layout.groups), layout.block_bytes(residual=True)
+        one = (layout.residual_tokens // bs + 3) * groups  # the window, a partial block at each end, one being packed
+        step = 2 * -(-config.max_num_batched_tokens // bs) * groups
+        long_request = layout.bytes_held(max_model_len)
+        share = one * res_bytes / (one * res_bytes + long_request)
+        num_residual = max(one + step, min(config.max_num_seqs * one + step, int(budget * share // res_bytes)))
     if config.num_blocks:
         return config.num_blocks, num_residual
-    budget = parse_size(config.kv_cache_memory) - num_residual * layout.block_bytes(residual=True)
-    num_blocks = budget // layout.block_bytes()
+    num_blocks = (budget - num_residual * layout.block_bytes(residual=True)) // layout.block_bytes()
     if num_blocks < len(layout.groups):
         raise KVServeError(f"kv_cache_memory {config.kv_cache_memory} is smaller than one block per layer group "
                            f"({layout.block_bytes()} bytes)" + (f" after the kivi2 residual's {num_residual} float blocks "

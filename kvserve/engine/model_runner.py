@@ -15,7 +15,7 @@ from kvserve.errors import KVServeError
 from kvserve.kernels import native_ops
 from kvserve.kv.cache import KVCache
 from kvserve.kv.spec import KVLayout
-from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample
+from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample, score_prompt
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import Checkpoint, load_gguf_blocks, load_weights
 
@@ -26,6 +26,8 @@ class StepInputs:
     ctx: ForwardContext
     logits_index: torch.Tensor  # flat index of the last token of each sequence that samples this step
     sampling_rows: list[int]  # which of the batch's sequences sample, in logits_index order
+    # sequences scoring their prompt: (row in the batch, flat index of each scoring token, the prompt token it predicts)
+    prompt_rows: list[tuple[int, torch.Tensor, torch.Tensor]]
 
 
 class ModelRunner:
@@ -59,7 +61,12 @@ class ModelRunner:
             [s.params for s in seqs], [s.generator for s in seqs],
             [s.token_ids[: s.num_prompt_tokens] for s in seqs], [s.output_token_ids for s in seqs],
         )
-        return inputs.sampling_rows, sample(logits.cpu(), sampling)
+        sampled = sample(logits.cpu(), sampling)
+        if inputs.prompt_rows:
+            prompt_logits = self.model.compute_logits(hidden[torch.cat([index for _, index, _ in inputs.prompt_rows])]).cpu()
+            for (row, index, targets), part in zip(inputs.prompt_rows, prompt_logits.split([len(i) for _, i, _ in inputs.prompt_rows])):
+                sampled.prompt[row] = score_prompt(part, targets, batch.seqs[row].params.prompt_logprobs)
+        return inputs.sampling_rows, sampled
 
     def move_blocks(self, batch: ScheduledBatch) -> None:
         for seq, block_ids in batch.swap_out:
@@ -90,9 +97,19 @@ class ModelRunner:
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                          if s.num_computed_tokens + n == s.num_tokens]
         logits_index = offsets[sampling_rows] + real_counts[sampling_rows] - 1
+        prompt_rows = [_prompt_row(i, s, n, int(offsets[i])) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                       if s.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens]
         backend = self.sdpa if batch.rectangular else self.backend
         ctx = ForwardContext(positions.to(dev), slot_mappings, [g.to(dev) for g in groups], backend)
-        return StepInputs(input_ids.to(dev), ctx, logits_index.to(dev), sampling_rows)
+        return StepInputs(input_ids.to(dev), ctx, logits_index.to(dev), sampling_rows,
+                          [(i, index.to(dev), targets) for i, index, targets in prompt_rows if len(index)])
+
+
+def _prompt_row(row: int, seq, num_tokens: int, offset: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Which of this chunk's tokens predict prompt tokens not yet scored (a recomputed prompt is scored once)."""
+    start = seq.num_computed_tokens
+    targets = torch.arange(max(start + 1, len(seq.prompt_logprobs)), min(start + num_tokens + 1, seq.num_prompt_tokens))
+    return row, offset + targets - 1 - start, torch.tensor(seq.token_ids)[targets] if len(targets) else targets
 
 
 def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor], bs: int) -> QueryGroup:

@@ -35,6 +35,11 @@ class OutputProcessor:
             self.kv.cache_full_blocks(seq)
         if sampled is None:
             return []
+        for row, scored in sampled.prompt.items():
+            seq = batch.seqs[row]
+            targets = seq.token_ids[len(seq.prompt_logprobs):]
+            seq.prompt_logprobs += [TokenLogprob(t, lp, dict(zip(ids, values))) for t, lp, ids, values in
+                                    zip(targets, scored.logprobs.tolist(), scored.top_ids.tolist(), scored.top_logprobs.tolist())]
         return [self.append(batch.seqs[row], [token], sampled.logprobs, [i])
                 for i, (row, token) in enumerate(zip(rows, sampled.token_ids))]
 
@@ -58,7 +63,8 @@ class OutputProcessor:
             metrics.finished_time = now
             self.finish(seq, reason)
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], seq.text,
-                             seq.output_token_ids, seq.finish_reason, metrics, seq.logprobs, seq.text[len(previous):], new)
+                             seq.output_token_ids, seq.finish_reason, metrics, seq.logprobs, seq.text[len(previous):], new,
+                             seq.prompt_logprobs)
 
     def _check_stop(self, seq: Sequence, token: int, text: str) -> tuple[str, str | None]:
         """The output text (cut before a stop string) and the finish reason, if the sequence is done."""

@@ -41,6 +41,8 @@ class Sequence:
         self.error: str | None = None
         self.text = ""
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # one entry per prompt token scored so far; the first token has nothing before it
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_token_ids))
         self.generator: torch.Generator | None = None
         if not params.greedy:

@@ -43,7 +43,7 @@ class KVManager:
     def allocate_cached_prefix(self, seq: Sequence) -> int:
         """Point a new sequence's block tables at the longest cached prefix; returns the tokens reused."""
         assert not any(seq.block_tables) and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # scoring needs every position's logits
             return 0
         self._hash_full_blocks(seq)
         bs, hits = self.block_size, []

@@ -1,7 +1,7 @@
 """Turn a step's logits into next tokens: penalties, temperature, top-k, top-p, seeded sampling."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,9 +19,26 @@ class SamplingBatch:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Log-probabilities of the prompt tokens one sequence scored this step."""
+
+    logprobs: torch.Tensor  # [n] of each scored prompt token
+    top_ids: torch.Tensor  # [n, k]
+    top_logprobs: torch.Tensor  # [n, k]
+
+
+@dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
     logprobs: torch.Tensor | None  # [B, V] raw model log-probabilities, when any row asked for logprobs
+    prompt: dict[int, PromptLogprobs] = field(default_factory=dict)  # by the sequence's row in the batch
+
+
+def score_prompt(logits: torch.Tensor, targets: torch.Tensor, top: int) -> PromptLogprobs:
+    """Each row's log-probability of its target token, and its top `top` tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logprobs.topk(top, dim=-1)
+    return PromptLogprobs(logprobs.gather(1, targets[:, None]).squeeze(1), ids, values)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
