@@ -112,7 +112,7 @@ class EngineConfig:
     # ~4x the FLOP/s on CPUs with AVX512-BF16 or AMX); "auto" does so on such CPUs; "float32" is fp32 throughout.
     matmul_dtype: str = "auto"
     # How K and V are stored (kvserve.kv.formats): "auto" is the model's dtype; cache_type_k / cache_type_v set
-    # one of them apart. kivi2 keeps each request's newest kivi_residual tokens in the model's dtype.
+    # one of them apart. kivi2 keeps each request's newest kivi_residual tokens in 16-bit floats (residual_dtype).
     kv_cache_dtype: str = "auto"
     cache_type_k: str | None = None
     cache_type_v: str | None = None
@@ -163,6 +163,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def residual_dtype(self) -> str:
+        """kivi2's newest tokens: float16 for a float32 model (KIVI keeps them in fp16; half the bytes of fp32,
+        and on SmolLM2 float16 KV gives float32's greedy tokens), else the model's dtype."""
+        return "float16" if self.dtype == "float32" else self.dtype
 
     @property
     def kv_dtypes(self) -> tuple[str, str]:

@@ -67,7 +67,7 @@ def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim):
     k_cache, v_cache = (torch.randn(16, block_size, kv_heads, dim, generator=g) for _ in range(2))
     tables = torch.randperm(16, generator=g)[:12].view(len(lens), 3)  # scattered, non-contiguous blocks
     q = torch.randn(len(lens), heads, dim, generator=g)
-    out = native_ops().paged_decode_attention(q, [k_cache], [v_cache], tables, torch.tensor(lens), 0.3, 0, 0, None, None)
+    out = native_ops().paged_decode_attention(q, [k_cache], [v_cache], tables, torch.tensor(lens), 0.3, 0, 0, [], [], 0)
     for b, n in enumerate(lens):
         keys, values = (c[tables[b]].flatten(0, 1)[:n].transpose(0, 1) for c in (k_cache, v_cache))  # [KVH, n, D]
         expected = F.scaled_dot_product_attention(q[b, :, None], keys, values, scale=0.3, enable_gqa=True)[:, 0]
@@ -78,7 +78,7 @@ def test_paged_decode_attention_rejects_lengths_past_the_table():
     cache = torch.zeros(4, 4, 1, 8)
     with pytest.raises(RuntimeError, match="context length 9 does not fit 2 blocks"):
         native_ops().paged_decode_attention(torch.zeros(1, 1, 8), [cache], [cache], torch.tensor([[0, 1]]), torch.tensor([9]),
-                                            1.0, 0, 0, None, None)
+                                            1.0, 0, 0, [], [], 0)
 
 
 def test_rms_norm_equals_torch():

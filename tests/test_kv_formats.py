@@ -98,7 +98,7 @@ BS = 16
 def _filled_cache(k_dtype: str, v_dtype: str) -> tuple[KVCache, list[torch.Tensor]]:
     """A cache holding random K/V for sequences of LENS tokens in scattered blocks (kivi2: packed, with
     the newest 16 tokens still in residual blocks)."""
-    layout = build_layout(SPEC, k_dtype, v_dtype, BS, residual_tokens=16)
+    layout = build_layout(SPEC, k_dtype, v_dtype, BS, residual_tokens=16, residual_dtype="float16")  # as the engine keeps it
     num_blocks, num_residual = 24, 24
     cache = KVCache(layout, num_blocks, num_residual if layout.has_residual else 0, torch.float32)
     order = torch.randperm(num_blocks, generator=G).tolist()

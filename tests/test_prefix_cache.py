@@ -64,3 +64,17 @@ def test_unreferenced_cached_blocks_are_evicted_lru(tiny_model_dir):
     assert llm.engine.kv_usage()["cached_blocks"] >= 4
     _cached(llm, list(range(50, 75)))  # needs 7 blocks: evicts the oldest cached ones first
     assert _cached(llm, a) == 0
+
+
+def test_quantized_blocks_are_shared_too(tiny_model_dir_d32):
+    """int8 blocks hit like float ones; kivi2 shares only packed blocks (its float residual is never shared)."""
+    prompt = list(range(3, 40))  # 37 tokens: 9 full blocks
+    int8 = LLM(str(tiny_model_dir_d32), num_blocks=64, block_size=BS, kv_cache_dtype="int8")
+    cold = int8.generate(prompt, greedy(8), use_tqdm=False)[0]
+    warm = int8.generate(prompt, greedy(8), use_tqdm=False)[0]
+    assert warm.metrics.cached_tokens == 36 and warm.token_ids == cold.token_ids
+    kivi2 = LLM(str(tiny_model_dir_d32), num_blocks=64, block_size=BS, kv_cache_dtype="kivi2", kivi_residual=8)
+    kivi2.generate(prompt, greedy(8), use_tqdm=False)  # 44 tokens computed: blocks older than the newest 8 are packed
+    assert kivi2.generate(prompt, greedy(8), use_tqdm=False)[0].metrics.cached_tokens == 36
+    kv = kivi2.engine.kv_manager
+    assert kv.residual.num_used == 0 and not kv.residual.cached

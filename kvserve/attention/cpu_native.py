@@ -17,5 +17,5 @@ class NativeCPUBackend(SDPABackend):
         residual = cache.residual_k is not None
         return native_ops().paged_decode_attention(
             q[group.flat_index], list(cache.k[j].values()), list(cache.v[j].values()), block_tables, group.context_lens,
-            scale, layout.k_format.code, layout.v_format.code,
-            cache.residual_k[j]["data"] if residual else None, cache.residual_v[j]["data"] if residual else None)
+            scale, layout.k_format.code, layout.v_format.code, list(cache.residual_k[j].values()) if residual else [],
+            list(cache.residual_v[j].values()) if residual else [], layout.residual_format.code if residual else 0)

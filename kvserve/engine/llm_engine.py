@@ -44,8 +44,8 @@ class LLMEngine:
                                f"of {model_config.max_position_embeddings} tokens")
         k_dtype, v_dtype = config.kv_dtypes
         self.layout = build_layout(spec_from_hf_config(self.checkpoint.hf_config, config.model), k_dtype, v_dtype,
-                                   config.block_size, config.kivi_residual, config.dtype)
-        num_blocks, num_residual = pool_sizes(self.layout, config, self.max_model_len)
+                                   config.block_size, config.kivi_residual, config.residual_dtype)
+        num_blocks, num_residual = pool_sizes(self.layout, config)
         self.runner = ModelRunner(self.checkpoint, config, self.max_model_len, self.layout, num_blocks, num_residual)
         self.kv_manager = KVManager(self.layout, num_blocks, num_residual, config.enable_prefix_caching,
                                     salt=f"{config.model}|{config.dtype}")
@@ -131,7 +131,8 @@ class LLMEngine:
         rows, sampled = self.runner.execute(batch)
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
-        outputs = self.output.process(batch, rows, sampled)
+        outputs, packs = self.output.process(batch, rows, sampled)
+        self.runner.pack(packs)
         if not self.config.use_kv_cache:
             self._drop_kv(batch)
         return outputs
@@ -153,20 +154,17 @@ class LLMEngine:
         return self.kv_manager.usage()
 
 
-def pool_sizes(layout: KVLayout, config: EngineConfig, max_model_len: int) -> tuple[int, int]:
-    """Main and residual blocks. A kivi2 layout sets aside float blocks for its requests' newest tokens: enough for
-    max_num_seqs requests, but no larger a share of kv_cache_memory than makes both pools fill together when every
-    request is max_model_len long (a lack of residual blocks just preempts, like a lack of main ones), and never
-    less than one request needs. A step's new tokens are all residual, and so are the last step's until this one
-    packs them (a packed block is handed out again only the step after): two steps' tokens."""
+def pool_sizes(layout: KVLayout, config: EngineConfig) -> tuple[int, int]:
+    """Main and residual blocks. A kivi2 layout sets aside float blocks for its requests' newest tokens (a step's
+    new tokens are all residual until the step ends): enough for max_num_seqs requests, but at most half of
+    kv_cache_memory (a lack of residual blocks then preempts, like a lack of main ones), and never less than one
+    request needs."""
     budget, num_residual = parse_size(config.kv_cache_memory), 0
     if layout.has_residual:
         bs, groups, res_bytes = layout.block_size, len(layout.groups), layout.block_bytes(residual=True)
-        one = (layout.residual_tokens // bs + 3) * groups  # the window, a partial block at each end, one being packed
-        step = 2 * -(-config.max_num_batched_tokens // bs) * groups
-        long_request = layout.bytes_held(max_model_len)
-        share = one * res_bytes / (one * res_bytes + long_request)
-        num_residual = max(one + step, min(config.max_num_seqs * one + step, int(budget * share // res_bytes)))
+        one = (layout.residual_tokens // bs + 2) * groups  # the window and a partial block at each end
+        step = -(-config.max_num_batched_tokens // bs) * groups
+        num_residual = max(one + step, min(config.max_num_seqs * one + step, budget // 2 // res_bytes))
     if config.num_blocks:
         return config.num_blocks, num_residual
     num_blocks = (budget - num_residual * layout.block_bytes(residual=True)) // layout.block_bytes()

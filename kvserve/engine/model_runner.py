@@ -74,8 +74,12 @@ class ModelRunner:
         for seq, block_ids in batch.swap_in:
             self.kv_cache.copy_in(block_ids, seq.swapped_kv)
             seq.swapped_kv = None
-        if batch.packs:
-            self.kv_cache.pack(batch.packs)
+
+    def pack(self, pairs: list[tuple[int, int]]) -> None:
+        """kivi2: quantize residual blocks into main blocks, (residual id, main id) pairs."""
+        if pairs:
+            with torch.inference_mode():
+                self.kv_cache.pack(pairs)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs, dev = self.config.block_size, self.device

@@ -5,7 +5,7 @@ chunk, then admits waiting sequences into what is left of the token budget. When
 blocks the newest running sequence is preempted (recomputed later, or swapped to CPU memory).
 
 The scheduler only decides: it changes block tables through the KV manager and lists the blocks whose
-values must be copied out, in or packed; the model runner moves them.
+values must be copied out or in; the model runner moves them.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ class ScheduledBatch:
     # Block moves the model runner does before the forward pass, in this order:
     swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # copy these blocks to CPU memory
     swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # copy the saved values into these blocks
-    packs: list[tuple[int, int]] = field(default_factory=list)  # (residual block, main block): quantize (kivi2)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -39,7 +38,7 @@ class ScheduledBatch:
         return self.num_tokens.pop(i)
 
     def has_work(self) -> bool:
-        return bool(self.seqs or self.packs or self.swap_out or self.swap_in)
+        return bool(self.seqs or self.swap_out or self.swap_in)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -76,9 +75,7 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def schedule(self) -> ScheduledBatch:
-        batch = self._schedule_static() if self.config.scheduler == "static" else self._schedule_continuous()
-        batch.packs = self.kv.take_packs()
-        return batch
+        return self._schedule_static() if self.config.scheduler == "static" else self._schedule_continuous()
 
     def _schedule_static(self) -> ScheduledBatch:
         """The baseline continuous batching replaces: admit a batch only when the last one has fully finished,

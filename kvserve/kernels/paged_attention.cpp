@@ -4,10 +4,11 @@
 //
 // K and V may be stored in any kvserve.kv format: float32 rows are read where they lie; other formats
 // are dequantized a block at a time into a small buffer that stays in L1, so the cache is read at its
-// packed size. Block ids past the main pool name blocks of the float32 residual pool (kivi2's newest tokens).
+// packed size. Block ids past the main pool name blocks of the residual pool (kivi2's newest tokens, in a float format).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros_like.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -92,8 +93,8 @@ inline __m256 exp_ps(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
 
-// softmax over n scores, in place.
-void softmax(float* s, int64_t n) {
+// s[i] = exp(s[i] - max) over n scores, in place; returns (max, sum of the exponentials).
+std::pair<float, float> exp_scores(float* s, int64_t n) {
     const float m = *std::max_element(s, s + n);
     __m256 total = _mm256_setzero_ps();
     int64_t i = 0;
@@ -104,8 +105,7 @@ void softmax(float* s, int64_t n) {
     }
     float sum = hsum(total);
     for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - m));
-    const float inv = 1.0f / sum;
-    for (i = 0; i < n; ++i) s[i] *= inv;
+    return {m, sum};
 }
 
 // fp8 e4m3 (finite, no infinities) as floats, by code.
@@ -217,6 +217,8 @@ struct Store {
     }
 };
 
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 int64_t row_bytes(int format, int64_t D) {
     switch (format) {
         case F32: return 4 * D;
@@ -245,11 +247,12 @@ Store make_store(const std::vector<at::Tensor>& parts, int64_t format, int64_t d
 }  // namespace
 
 // q [B, H, D]; k, v: each a list of parts of a kvserve.kv format, values first ([blocks, block_size, KVH, ...]);
-// block_tables [B, W]; context_lens [B]. Ids >= blocks index k_residual / v_residual ([blocks', block_size, KVH, D]).
+// block_tables [B, W]; context_lens [B]. Ids >= blocks index k_residual / v_residual ([blocks', block_size, KVH, D],
+// in residual_format; empty lists: no residual pool).
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t k_format, int64_t v_format, const std::optional<at::Tensor>& k_residual,
-                                  const std::optional<at::Tensor>& v_residual) {
+                                  int64_t k_format, int64_t v_format, const std::vector<at::Tensor>& k_residual,
+                                  const std::vector<at::Tensor>& v_residual, int64_t residual_format) {
     TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be fp32 [B, H, D]");
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables and lengths");
     const at::Tensor q = q_in.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
@@ -259,12 +262,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
     TORCH_CHECK(vs.bs == bs && vs.kvh == KVH && v[0].size(0) == num_main, "K and V stores do not agree");
     TORCH_CHECK(H % KVH == 0 && tables.size(0) == B && lens.size(0) == B, "shapes do not agree");
     int64_t num_residual = 0;
-    const float *rk = nullptr, *rv = nullptr;
-    if (k_residual.has_value()) {
-        const at::Tensor &a = *k_residual, &b = *v_residual;
-        TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.scalar_type() == at::kFloat && b.sizes() == a.sizes() &&
-                        a.dim() == 4 && a.size(1) == bs && a.size(2) == KVH && a.size(3) == D, "bad residual KV");
-        num_residual = a.size(0), rk = a.data_ptr<float>(), rv = b.data_ptr<float>();
+    Store rks{}, rvs{};
+    if (!k_residual.empty()) {
+        TORCH_CHECK(residual_format <= BF16, "the residual pool holds floats");
+        rks = make_store(k_residual, residual_format, D), rvs = make_store(v_residual, residual_format, D);
+        TORCH_CHECK(rks.bs == bs && rks.kvh == KVH && v_residual[0].size(0) == k_residual[0].size(0), "bad residual KV");
+        num_residual = k_residual[0].size(0);
     }
     const int64_t* tp = tables.data_ptr<int64_t>();
     const int64_t* lp = lens.data_ptr<int64_t>();
@@ -273,19 +276,25 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
         for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
             TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < num_main + num_residual, "block id out of range");
     }
-    at::Tensor out = at::zeros_like(q);
+    // Flash-decoding: when there are fewer (sequence, KV head) pairs than threads can share well, each one's
+    // context is split into chunks of whole blocks; every chunk keeps its own softmax max and sum, merged at the end.
+    const int64_t G = H / KVH, max_len = *std::max_element(lp, lp + B);
+    const int64_t splits = std::min(ceil_div(4 * at::get_num_threads(), B * KVH), ceil_div(max_len, 16 * bs));
+    const int64_t chunk = ceil_div(ceil_div(max_len, splits), bs) * bs;
+    const int64_t C = ceil_div(max_len, chunk);
+    at::Tensor partial = at::empty({B, KVH, C, G, D + 2}, q.options());  // per chunk and query head: output, max, sum
     const float* qp = q.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const int64_t G = H / KVH;
-    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores, buffer(bs * D), cscale(D), cmin(D);
+    float* pp = partial.data_ptr<float>();
+    at::parallel_for(0, B * KVH * C, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(G * chunk), buffer(bs * D), cscale(D), cmin(D);
         std::vector<int64_t> rows(bs);
-        // Rows of logical block j of K or V (store s, residual r) for head g: float32 where they lie, else dequantized.
-        auto block_rows = [&](const Store& s, const float* r, int64_t id, int64_t n, int64_t g) -> const float* {
-            if (id >= num_main || s.format == F32) {
-                const int64_t local = id >= num_main ? id - num_main : id;
-                for (int64_t o = 0; o < n; ++o) rows[o] = ((local * bs + o) * KVH + g) * D;
-                return id >= num_main ? r : reinterpret_cast<const float*>(s.data);
+        // Rows of block `id` of K or V (main store m, residual store r) for head g: float32 where they lie, else dequantized.
+        auto block_rows = [&](const Store& m, const Store& r, int64_t id, int64_t n, int64_t g) -> const float* {
+            const Store& s = id >= num_main ? r : m;
+            if (id >= num_main) id -= num_main;
+            if (s.format == F32) {
+                for (int64_t o = 0; o < n; ++o) rows[o] = ((id * bs + o) * KVH + g) * D;
+                return reinterpret_cast<const float*>(s.data);
             }
             if (s.format == INT2_CHANNEL) s.channel_meta(id, g, cscale.data(), cmin.data());
             for (int64_t o = 0; o < n; ++o) {
@@ -295,21 +304,51 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
             return buffer.data();
         };
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t b = item / KVH, g = item % KVH, L = lp[b], nblocks = (L + bs - 1) / bs;
-            scores.resize(G * L);
-            for (int64_t j = 0; j < nblocks; ++j) {
-                const int64_t n = std::min(bs, L - j * bs);
-                const float* base = block_rows(ks, rk, tp[b * W + j], n, g);
-                for (int64_t h = 0; h < G; ++h)
-                    query_scores(qp + (b * H + g * G + h) * D, base, rows.data(), n, D, float(scale), scores.data() + h * L + j * bs);
+            const int64_t b = item / (KVH * C), g = item / C % KVH, c = item % C;
+            const int64_t t0 = c * chunk, t1 = std::min(lp[b], t0 + chunk), L = t1 - t0;
+            float* part = pp + item * G * (D + 2);
+            if (L <= 0) {  // this sequence is shorter: the chunk adds nothing
+                for (int64_t h = 0; h < G; ++h) part[h * (D + 2) + D + 1] = 0.0f, part[h * (D + 2) + D] = -INFINITY;
+                continue;
             }
-            for (int64_t h = 0; h < G; ++h) softmax(scores.data() + h * L, L);
-            for (int64_t j = 0; j < nblocks; ++j) {
-                const int64_t n = std::min(bs, L - j * bs);
-                const float* base = block_rows(vs, rv, tp[b * W + j], n, g);
+            for (int64_t t = t0; t < t1; t += bs) {
+                const int64_t n = std::min(bs, t1 - t);
+                const float* base = block_rows(ks, rks, tp[b * W + t / bs], n, g);
                 for (int64_t h = 0; h < G; ++h)
-                    weighted_values(scores.data() + h * L + j * bs, base, rows.data(), n, D, op + (b * H + g * G + h) * D);
+                    query_scores(qp + (b * H + g * G + h) * D, base, rows.data(), n, D, float(scale), scores.data() + h * chunk + t - t0);
             }
+            for (int64_t h = 0; h < G; ++h) {
+                const auto [m, sum] = exp_scores(scores.data() + h * chunk, L);
+                std::fill(part + h * (D + 2), part + h * (D + 2) + D, 0.0f);
+                part[h * (D + 2) + D] = m, part[h * (D + 2) + D + 1] = sum;
+            }
+            for (int64_t t = t0; t < t1; t += bs) {
+                const int64_t n = std::min(bs, t1 - t);
+                const float* base = block_rows(vs, rvs, tp[b * W + t / bs], n, g);
+                for (int64_t h = 0; h < G; ++h)
+                    weighted_values(scores.data() + h * chunk + t - t0, base, rows.data(), n, D, part + h * (D + 2));
+            }
+        }
+    });
+    at::Tensor out = at::empty_like(q);
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t bh = begin; bh < end; ++bh) {
+            const int64_t b = bh / H, g = bh % H / G, h = bh % G;
+            const float* first = pp + ((b * KVH + g) * C * G + h) * (D + 2);  // chunk c at first + c * G * (D + 2)
+            float m = -INFINITY, sum = 0.0f;
+            for (int64_t c = 0; c < C; ++c) m = std::max(m, first[c * G * (D + 2) + D]);
+            float* o = op + bh * D;
+            std::fill(o, o + D, 0.0f);
+            for (int64_t c = 0; c < C; ++c) {
+                const float* part = first + c * G * (D + 2);
+                if (part[D + 1] == 0.0f) continue;
+                const float w = std::exp(part[D] - m);
+                sum += w * part[D + 1];
+                for (int64_t i = 0; i < D; ++i) o[i] += w * part[i];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t i = 0; i < D; ++i) o[i] *= inv;
         }
     });
     return out;
@@ -317,6 +356,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("paged_decode_attention(Tensor q, Tensor[] k, Tensor[] v, Tensor block_tables, Tensor context_lens, float scale, "
-          "int k_format, int v_format, Tensor? k_residual, Tensor? v_residual) -> Tensor",
+          "int k_format, int v_format, Tensor[] k_residual, Tensor[] v_residual, int residual_format) -> Tensor",
           &paged_decode_attention);
 }

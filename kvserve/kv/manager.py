@@ -5,10 +5,9 @@ which names the layout, and the request's cache_salt), so equal hashes mean equa
 that will never change are shared: full blocks of computed tokens; with a kivi2 layout, only packed ones.
 
 kivi2: new tokens go to float blocks of a second, residual pool; once a block's tokens are all
-`residual_tokens` older than the newest, the block is packed (2-bit) into a main-pool block. The manager
-decides which; the model runner moves the values (`take_packs`). Until then a pack stays pending: its
-residual block is not handed out again and its packed block not shared, and freeing or swapping out the
-sequence undoes it, so no block's values are needed in two states within one step.
+`residual_tokens` older than the newest, the block is packed (2-bit) into a main-pool block. Packing is
+decided right after a forward pass (`pack_aged`) and done by the model runner before anything else is
+scheduled, so a block never holds values in two states at once.
 """
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ class KVManager:
         self.residual = BlockPool(num_residual, first_id=num_blocks) if layout.has_residual else None
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = f"{salt}|{layout.k_format.name}|{layout.v_format.name}|{layout.block_size}|{layout.residual_tokens}".encode()
-        self.pending: list[tuple[Sequence, int, int]] = []  # (sequence, group, logical block) packed this step
 
     @property
     def num_blocks(self) -> int:
@@ -62,34 +60,34 @@ class KVManager:
         return seq.num_computed_tokens
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens (and pack aged residual blocks); False, changing
-        nothing, if a pool is short."""
-        packs = range(seq.num_packed_blocks, self._packable(seq))
+        """Make room for `num_new_tokens` more tokens; False, changing nothing, if the pool is short."""
         new = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_tables[0])
-        new_pool = self.residual or self.pool
-        main_needed = len(packs) * self.num_groups + (0 if self.residual else new * self.num_groups)
-        if main_needed > self.pool.num_free or (self.residual and new * self.num_groups > self.residual.num_free):
+        pool = self.residual or self.pool  # kivi2: new tokens are written in float
+        if new * self.num_groups > pool.num_free:
             return False
-        for i in packs:
-            self._pack(seq, i)
-        seq.num_packed_blocks = max(seq.num_packed_blocks, packs.stop)
         for _ in range(new):
             for table in seq.block_tables:
-                table.append(new_pool.allocate())
+                table.append(pool.allocate())
         return True
 
-    def take_packs(self) -> list[tuple[int, int]]:
-        """This step's packs, as (residual block, main block), made final: the residual blocks go back to their
-        pool and the packed ones into the prefix cache."""
+    def pack_aged(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """kivi2: move each sequence's residual blocks that are now old enough to main blocks, while the pool
+        has room (the rest wait for a later step); returns (residual block, main block) pairs to pack."""
+        if not self.residual:
+            return []
         packs = []
-        for seq, g, i in self.pending:
-            src, dst = seq.packing.pop((g, i)), seq.block_tables[g][i]
-            packs.append((src, dst))
-            self.residual.release(src)
-            if self.enable_prefix_caching:
-                self._hash_full_blocks(seq)
-                self._register(seq, i, g)
-        self.pending = []
+        for seq in seqs:
+            for i in range(seq.num_packed_blocks, self._packable(seq)):
+                if self.pool.num_free < self.num_groups:
+                    return packs
+                for table in seq.block_tables:
+                    src, table[i] = table[i], self.pool.allocate()
+                    packs.append((src, table[i]))
+                    self.residual.release(src)
+                seq.num_packed_blocks = i + 1
+                if self.enable_prefix_caching:
+                    self._hash_full_blocks(seq)
+                    self._register(seq, i)
         return packs
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -103,8 +101,6 @@ class KVManager:
         seq.num_hashed_blocks = full
 
     def free(self, seq: Sequence) -> None:
-        if seq.packing:
-            self._undo_packs(seq)
         # Tail blocks go to the free queue first, so they are evicted before the prefix they extend.
         for table in seq.block_tables:
             for block_id in reversed(table):
@@ -115,8 +111,6 @@ class KVManager:
     def swap_out(self, seq: Sequence) -> list[int]:
         """Free the sequence's blocks, remembering which pool each came from; returns the blocks whose
         values must be copied out first (those of computed tokens, every group in turn)."""
-        if seq.packing:
-            self._undo_packs(seq)
         used = -(-seq.num_computed_tokens // self.block_size)
         ids = [block_id for table in seq.block_tables for block_id in table[:used]]
         seq.swapped_kinds = [[self.residual is not None and b in self.residual for b in table[:used]] for table in seq.block_tables]
@@ -166,24 +160,10 @@ class KVManager:
             return 0
         return max(0, (seq.num_computed_tokens - self.layout.residual_tokens) // self.block_size)
 
-    def _pack(self, seq: Sequence, i: int) -> None:
-        for g, table in enumerate(seq.block_tables):
-            seq.packing[(g, i)], table[i] = table[i], self.pool.allocate()
-            self.pending.append((seq, g, i))
-
-    def _undo_packs(self, seq: Sequence) -> None:
-        for (g, i), src in seq.packing.items():
-            self.pool.release(seq.block_tables[g][i])
-            seq.block_tables[g][i] = src
-        seq.num_packed_blocks = min(i for _, i in seq.packing)
-        seq.packing.clear()
-        self.pending = [p for p in self.pending if p[0] is not seq]
-
-    def _register(self, seq: Sequence, i: int, group: int | None = None) -> None:
+    def _register(self, seq: Sequence, i: int) -> None:
         tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
         for g, table in enumerate(seq.block_tables):
-            if group is None or g == group:
-                self.pool.register(table[i], _group_key(seq.block_hashes[i], g), tokens)
+            self.pool.register(table[i], _group_key(seq.block_hashes[i], g), tokens)
 
     def _pool_of(self, block_id: int) -> BlockPool:
         return self.pool if block_id in self.pool else self.residual
