@@ -64,6 +64,10 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
     (["generate", "--prompt", "hi", "--top-p", "2"], "top_p must be in (0, 1]"),
     (["generate", "--prompt", "hi", "--max-tokens", "0"], "max_tokens must be >= 1"),
     (["generate", "--prompt", "word " * 9000, "--max-tokens", "4"], "at most 8192"),
+    (["generate", "--prompt", "hi", "--kv-cache-dtype", "int3"], "kv_cache_dtype must be one of auto, float32, bfloat16, "
+     "float16, fp8_e4m3, fp8_e5m2, int8, int4, kivi2, got 'int3'"),
+    (["generate", "--prompt", "hi", "--kv-cache-dtype", "kivi2", "--kivi-residual", "100"],
+     "kivi_residual must be a multiple of the block size (16), got 100"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
     assert cli.main(argv) == 2

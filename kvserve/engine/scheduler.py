@@ -161,7 +161,7 @@ class Scheduler:
             batch.swap_in.append((seq, block_ids))
             return True
         cached = kv.allocate_cached_prefix(seq)
-        if not kv.allocate_slots(seq, min(seq.num_uncomputed_tokens, budget)):
+        if not kv.can_hold_prompt(seq) or not kv.allocate_slots(seq, min(seq.num_uncomputed_tokens, budget)):
             kv.free(seq)
             seq.num_computed_tokens = 0
             return False

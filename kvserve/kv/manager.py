@@ -59,6 +59,12 @@ class KVManager:
         seq.num_computed_tokens = len(hits) * bs
         return seq.num_computed_tokens
 
+    def can_hold_prompt(self, seq: Sequence) -> bool:
+        """Whether the pool has room now for the rest of the sequence's tokens (kivi2: those it will pack). Admitting
+        one that has not would only preempt others a few prefill chunks later."""
+        packed_later = max(0, seq.num_tokens - self.layout.residual_tokens) if self.residual else seq.num_tokens
+        return self.blocks_for(packed_later) - len(seq.block_tables[0]) * self.num_groups <= self.pool.num_free
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens; False, changing nothing, if the pool is short."""
         new = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_tables[0])

@@ -66,7 +66,7 @@ def render(report: dict) -> None:
                   f"full MHA would cache {report['mha_factor']:.1f}x more")
     kv = report["kv"]
     contexts = list(next(iter(kv.values()))["total_bytes"])
-    table = Table(title="KV cache (scales included; kivi2 keeps the newest 128 tokens in bf16)")
+    table = Table(title="KV cache (scales included; kivi2 keeps the newest 128 tokens in 16-bit floats)")
     table.add_column("dtype")
     table.add_column("per token", justify="right")
     for c in contexts:

@@ -98,7 +98,7 @@ class Server:
 
     def __init__(self, engine: LLMEngine, model_name: str, max_waiting: int):
         self.engine, self.model_name = engine, model_name
-        self.metrics = Metrics(model_name, engine.layout)
+        self.metrics = Metrics(model_name, engine.layout, engine.kv_usage()["total_bytes"])
         self.async_engine = AsyncEngine(engine, self.metrics, max_waiting)
 
     def check_model(self, model: str | None) -> None:

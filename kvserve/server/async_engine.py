@@ -160,7 +160,6 @@ class AsyncEngine:
         share = usage["used_blocks"] / usage["num_blocks"]
         self.metrics.kv_usage.set(share)
         self.metrics.kv_used_bytes.set(usage["used_bytes"])
-        self.metrics.kv_total_bytes.set(usage["total_bytes"])
         self.metrics.running.set(len(self.engine.scheduler.running))
         self.metrics.waiting.set(len(self.engine.scheduler.waiting))
         now = time.time()

@@ -10,7 +10,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 
 
 
 class Metrics:
-    def __init__(self, model: str, layout: KVLayout):
+    def __init__(self, model: str, layout: KVLayout, total_kv_bytes: int):
         self.registry = CollectorRegistry()
         labels, r = {"model_name": model}, self.registry
 
@@ -30,6 +30,7 @@ class Metrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by requests (0-1).")
         self.kv_used_bytes = gauge("kv_cache_used_bytes", "KV bytes held by requests, residual blocks included.")
         self.kv_total_bytes = gauge("kv_cache_total_bytes", "KV bytes of the whole pool, residual blocks included.")
+        self.kv_total_bytes.set(total_kv_bytes)
         gauge("kv_cache_bytes_per_token", "KV bytes one more cached token takes (all layers, scales included).").set(
             layout.bytes_per_token)
         Info("kvserve:kv_cache_layout", "How K and V are stored.", ["model_name"], registry=r).labels(**labels).info(

@@ -1,0 +1,35 @@
+"""`kvserve serve --kv-cache-dtype int8`: the server answers from a quantized pool and shows its layout on
+/metrics and the live page's /kv/state."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.conftest import FP32
+from tests.server_utils import running_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("smollm2-135m", kv_cache_memory="64MiB", kv_cache_dtype="int8", **FP32) as (url, app):
+        yield url
+
+
+def test_chat_from_an_int8_pool(server):
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0, "max_tokens": 24}
+    reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).json()
+    assert "Paris" in reply["choices"][0]["message"]["content"]
+
+
+def test_layout_on_metrics_and_live_page(server):
+    per_token = 2 * 30 * 3 * (64 + 2 * 2)  # int8 values and one fp16 scale per 32 of them
+    metrics = httpx.get(f"{server}/metrics").text
+    assert f"kvserve:kv_cache_bytes_per_token{{model_name=\"test-model\"}} {float(per_token)}" in metrics
+    layout = [line for line in metrics.splitlines() if line.startswith("kvserve:kv_cache_layout_info")][0]
+    assert 'k_dtype="int8"' in layout and 'v_dtype="int8"' in layout and 'block_size="16"' in layout
+    total = [line for line in metrics.splitlines() if line.startswith("kvserve:kv_cache_total_bytes")][0]
+    assert 60 * 2**20 < float(total.split()[-1]) <= 64 * 2**20
+    state = httpx.get(f"{server}/kv/state").json()
+    assert state["layout"]["bytes_per_token"] == per_token and "KV int8" in state["layout"]["description"]
+    assert len(state["blocks"]) == state["usage"]["num_blocks"] == 64 * 2**20 // (16 * per_token)
