@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--pool", default="512MiB", help="KV pool of the KV-bound run")
     parser.add_argument("--skip-bound-run", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true", help="only the pool sizes and the KV-bound run")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
     assert dtypes[0] == "float32", "the first dtype is the baseline: float32"
@@ -78,7 +79,8 @@ def main() -> None:
     prompt = torch.randint(100, vocab, (args.context,), generator=g).tolist()
     prompts = [torch.randint(100, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
 
-    decode = decode_at_context(args.model, dtypes, prompt, args.decode_tokens, args.rounds)
+    decode = {d: float("nan") for d in dtypes} if args.skip_decode else \
+        decode_at_context(args.model, dtypes, prompt, args.decode_tokens, args.rounds)
     rows = {}
     for dtype in dtypes:
         tokens, per_token = pool_tokens(args.model, dtype)

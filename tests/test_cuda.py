@@ -62,3 +62,20 @@ def test_cuda_bfloat16_halves_kv_and_tracks_fp32(tiny_model_dir):
     assert la.dtype == lb.dtype == torch.float32
     assert (la - lb).abs().max() < 0.05 * la.abs().max()
     assert a.token_ids == b.token_ids
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "int8", "int4", "kivi2"])
+def test_cuda_quantized_kv_tracks_the_cpu(tiny_model_dir_d32, dtype):
+    """Every KV format runs on CUDA (SDPA over dequantized blocks) and holds what the CPU path holds."""
+    cpu = LLM(str(tiny_model_dir_d32), device="cpu", num_blocks=64, block_size=4, kv_cache_dtype=dtype, kivi_residual=8)
+    cuda = LLM(str(tiny_model_dir_d32), device="cuda", num_blocks=64, block_size=4, kv_cache_dtype=dtype, kivi_residual=8)
+    for llm in (cpu, cuda):
+        llm.generate(PROMPTS, greedy(NEW), use_tqdm=False)  # fills, packs (kivi2) and frees blocks
+        assert llm.engine.kv_manager.pool.num_used == 0
+    steps = []
+    for llm in (cpu, cuda):
+        llm.engine.add_request(PROMPTS[1], greedy(1))
+        llm.engine.step()
+        steps.append(llm.engine.runner.last_logits[0].cpu())
+    torch.testing.assert_close(steps[1], steps[0], atol=1e-3, rtol=1e-3)

@@ -131,8 +131,9 @@ class LLMEngine:
         rows, sampled = self.runner.execute(batch)
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
-        outputs, packs = self.output.process(batch, rows, sampled)
-        self.runner.pack(packs)
+        self.output.record_computed(batch)
+        self.runner.pack(self.kv_manager.pack_aged(batch.seqs))  # kivi2: before finished requests free their blocks
+        outputs = self.output.process(batch, rows, sampled)
         if not self.config.use_kv_cache:
             self._drop_kv(batch)
         return outputs

@@ -1,6 +1,5 @@
-"""After a forward pass: count the computed tokens, hash full blocks (kivi2: say which blocks aged enough to
-pack), append the sampled tokens (several per sequence once speculation lands), detokenize, check stops, and
-say which requests finished."""
+"""After a forward pass: count the computed tokens, hash full blocks, append the sampled tokens (several per
+sequence once speculation lands), detokenize, check stops, and say which requests finished."""
 from __future__ import annotations
 
 import time
@@ -30,21 +29,22 @@ class OutputProcessor:
     def drop(self, request_id: str) -> None:
         self.detokenizers.pop(request_id, None)
 
-    def process(self, batch: ScheduledBatch, rows: list[int], sampled: SamplerOutput | None) -> tuple[list[RequestOutput], list[tuple[int, int]]]:
-        """The step's outputs, and the (residual, main) block pairs to pack now."""
+    def record_computed(self, batch: ScheduledBatch) -> None:
+        """The step's tokens now have K/V in the cache: count them and share the blocks they filled."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
-        packs = self.kv.pack_aged(batch.seqs)
+
+    def process(self, batch: ScheduledBatch, rows: list[int], sampled: SamplerOutput | None) -> list[RequestOutput]:
         if sampled is None:
-            return [], packs
+            return []
         for row, scored in sampled.prompt.items():
             seq = batch.seqs[row]
             targets = seq.token_ids[len(seq.prompt_logprobs):]
             seq.prompt_logprobs += [TokenLogprob(t, lp, dict(zip(ids, values))) for t, lp, ids, values in
                                     zip(targets, scored.logprobs.tolist(), scored.top_ids.tolist(), scored.top_logprobs.tolist())]
         return [self.append(batch.seqs[row], [token], sampled.logprobs, [i])
-                for i, (row, token) in enumerate(zip(rows, sampled.token_ids))], packs
+                for i, (row, token) in enumerate(zip(rows, sampled.token_ids))]
 
     def append(self, seq: Sequence, tokens: list[int], logprobs: torch.Tensor | None, logprob_rows: list[int]) -> RequestOutput:
         """Append tokens up to the first that finishes the request; the output carries the new text."""
