@@ -173,3 +173,17 @@ def test_planner_matches_the_engines_quantized_pool(tiny_model_dir_d32, dtype):
     cache, planned = llm.engine.runner.kv_cache, kv_bytes_per_token(load_spec(str(tiny_model_dir_d32)), dtype)
     assert cache.nbytes == cache.num_blocks * 8 * planned
     assert cache.num_blocks == MiB // (8 * planned)
+
+
+def test_layout_groups_layers_of_equal_specs_in_equal_sizes():
+    from kvserve.kv.spec import group_layers, layer_specs
+
+    gemma = kv_layout(load_spec("gemma-3-270m"))  # 15 sliding-window layers, 3 global: groups of 3 share tensors
+    assert [(g.spec.kind, g.layers) for g in gemma.groups] == [
+        ("sliding", (0, 1, 2)), ("sliding", (3, 4, 6)), ("sliding", (7, 8, 9)), ("sliding", (10, 12, 13)),
+        ("sliding", (14, 15, 16)), ("full", (5, 11, 17))]
+    assert gemma.bytes_per_token == 18 * 2 * 256 * 2  # while every layer still holds the token
+    assert kv_bytes(load_spec("gemma-3-270m"), 32_768) == gemma.bytes_held(32_768) == (3 * 32_768 + 15 * 512) * 2 * 256 * 2
+    mla = kv_layout(load_spec("deepseek-v3"))
+    assert [g.spec for g in mla.groups][0].kind == "latent" and len(mla.groups) == 1 and mla.bytes_per_token == 70_272
+    assert len(group_layers(layer_specs(load_spec("llama-3-8b")))) == 1
