@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -59,6 +60,8 @@ class RequestOutput:
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs: None for the first token
+    # SamplingParams.prompt_distributions, once finished: [prompt tokens - 1, vocab] fp16 log-probs, row i predicting token i + 1
+    prompt_distributions: Any = None
 
     @property
     def finished(self) -> bool:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
 import openai
 import pytest
 
+from kvserve import SamplingParams
 from tests.conftest import FP32
 from tests.server_utils import kv_usage, running_server
 
@@ -181,3 +183,32 @@ def test_metrics_exposed(server, client):
         assert name in text, name
     hits = [l for l in text.splitlines() if l.startswith("kvserve:prefix_cache_hits_total")]
     assert float(hits[0].split()[-1]) > 0
+
+
+def test_echo_returns_the_prompts_logprobs(server, smollm2):
+    """Legacy completions with echo and logprobs score the prompt (max_tokens 0: nothing else), as the engine does."""
+    prompt = "The KV cache stores keys and values."
+    body = {"model": "test-model", "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 0, "temperature": 0}
+    choice = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    ids = smollm2.engine.tokenize(prompt)
+    expected = smollm2.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)[0].prompt_logprobs
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert lp["tokens"] == [smollm2.tokenizer.decode([t]) for t in ids] and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([e.logprob for e in expected[1:]], abs=1e-3)
+    assert all(len(top) == 2 for top in lp["top_logprobs"][1:]) and lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+    # with a completion after it, streamed or not: the prompt's entries, then the new tokens'
+    body.update(max_tokens=4)
+    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert whole["text"].startswith(prompt) and len(whole["logprobs"]["tokens"]) == len(ids) + 4
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    streamed = [t for c in chunks for t in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=1e-4)
+
+
+def test_max_tokens_zero_needs_echo(server):
+    body = {"model": "test-model", "prompt": "hi", "max_tokens": 0}
+    r = httpx.post(f"{server}/v1/completions", json=body)
+    assert r.status_code == 400 and "max_tokens must be >= 1 (or 0 to only score the prompt" in r.json()["error"]["message"]

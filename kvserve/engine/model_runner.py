@@ -65,7 +65,7 @@ class ModelRunner:
         if inputs.prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[torch.cat([index for _, index, _ in inputs.prompt_rows])]).cpu()
             for (row, index, targets), part in zip(inputs.prompt_rows, prompt_logits.split([len(i) for _, i, _ in inputs.prompt_rows])):
-                sampled.prompt[row] = score_prompt(part, targets, batch.seqs[row].params.prompt_logprobs)
+                sampled.prompt[row] = score_prompt(part, targets, batch.seqs[row].params)
         return inputs.sampling_rows, sampled
 
     def move_blocks(self, batch: ScheduledBatch) -> None:

@@ -43,7 +43,10 @@ class OutputProcessor:
             targets = seq.token_ids[len(seq.prompt_logprobs):]
             seq.prompt_logprobs += [TokenLogprob(t, lp, dict(zip(ids, values))) for t, lp, ids, values in
                                     zip(targets, scored.logprobs.tolist(), scored.top_ids.tolist(), scored.top_logprobs.tolist())]
-        return [self.append(batch.seqs[row], [token], sampled.logprobs, [i])
+            if scored.distributions is not None:
+                seq.prompt_distributions.append(scored.distributions)
+        # max_tokens 0 scores the prompt only: its sampled token is dropped
+        return [self.append(batch.seqs[row], [token] if batch.seqs[row].params.max_tokens else [], sampled.logprobs, [i])
                 for i, (row, token) in enumerate(zip(rows, sampled.token_ids))]
 
     def append(self, seq: Sequence, tokens: list[int], logprobs: torch.Tensor | None, logprob_rows: list[int]) -> RequestOutput:
@@ -61,13 +64,16 @@ class OutputProcessor:
             seq.text, reason = self._check_stop(seq, token, seq.text + (detokenizer.push(token) if detokenizer else ""))
             if reason is not None:
                 break
+        if not tokens:
+            reason = "length"
         metrics.kv_bytes = self.kv.kv_bytes(seq)
         if reason is not None:
             metrics.finished_time = now
             self.finish(seq, reason)
+        distributions = torch.cat(seq.prompt_distributions) if reason is not None and seq.prompt_distributions else None
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], seq.text,
                              seq.output_token_ids, seq.finish_reason, metrics, seq.logprobs, seq.text[len(previous):], new,
-                             seq.prompt_logprobs)
+                             seq.prompt_logprobs, distributions)
 
     def _check_stop(self, seq: Sequence, token: int, text: str) -> tuple[str, str | None]:
         """The output text (cut before a stop string) and the finish reason, if the sequence is done."""

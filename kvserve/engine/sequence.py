@@ -42,6 +42,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # one entry per prompt token scored so far; the first token has nothing before it
         self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.prompt_distributions: list[torch.Tensor] = []  # SamplingParams.prompt_distributions, chunk by chunk
         self.metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_token_ids))
         self.generator: torch.Generator | None = None
         if not params.greedy:

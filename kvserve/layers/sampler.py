@@ -25,6 +25,7 @@ class PromptLogprobs:
     logprobs: torch.Tensor  # [n] of each scored prompt token
     top_ids: torch.Tensor  # [n, k]
     top_logprobs: torch.Tensor  # [n, k]
+    distributions: torch.Tensor | None = None  # [n, vocab] fp16, when asked for
 
 
 @dataclass(slots=True)
@@ -34,11 +35,12 @@ class SamplerOutput:
     prompt: dict[int, PromptLogprobs] = field(default_factory=dict)  # by the sequence's row in the batch
 
 
-def score_prompt(logits: torch.Tensor, targets: torch.Tensor, top: int) -> PromptLogprobs:
-    """Each row's log-probability of its target token, and its top `top` tokens."""
+def score_prompt(logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams) -> PromptLogprobs:
+    """Each row's log-probability of its target token, its top tokens, and (if asked) its whole distribution."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = logprobs.topk(top, dim=-1)
-    return PromptLogprobs(logprobs.gather(1, targets[:, None]).squeeze(1), ids, values)
+    values, ids = logprobs.topk(params.prompt_logprobs, dim=-1)
+    return PromptLogprobs(logprobs.gather(1, targets[:, None]).squeeze(1), ids, values,
+                          logprobs.half() if params.prompt_distributions else None)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:

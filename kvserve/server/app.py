@@ -114,14 +114,14 @@ class Server:
         return self.engine.tokenize(text, add_special_tokens=False)
 
     def submit(self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
-               prefix: str) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
+               prefix: str, prompt_logprobs: int | None = None) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
         """Validate every (prompt, choice) before any starts, then start them; choice index = prompt * n + j."""
         limit = self.engine.max_request_tokens
         jobs = []
         for i, ids in enumerate(prompts):
             tokens = max_tokens if max_tokens is not None else max(1, limit - len(ids))
             for j in range(req.n):
-                params = req.sampling_params(tokens, logprobs, j)
+                params = req.sampling_params(tokens, logprobs, j, prompt_logprobs)
                 self.engine.check_request(ids, params)
                 jobs.append((ids, params))
         self.async_engine.check_capacity(len(jobs))
@@ -130,16 +130,25 @@ class Server:
 
     async def complete(self, req: CompletionRequest):
         self.check_model(req.model)
-        prompts = self._completion_prompts(req.prompt)
-        request_id, streams = self.submit(req, prompts, req.max_tokens or 16, req.logprobs, "cmpl")
+        prompts, texts = self._completion_prompts(req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        request_id, streams = self.submit(req, prompts, max_tokens, req.logprobs, "cmpl", req.prompt_logprobs)
         prompt_tokens = sum(map(len, prompts))
         if req.stream:
-            return self._stream(self._completion_chunks(req, request_id, streams, prompt_tokens))
+            return self._stream(self._completion_chunks(req, request_id, streams, prompt_tokens, texts))
         finals = await self._collect(streams)
-        choices = [{"index": i, "text": out.text, "finish_reason": out.finish_reason,
-                    "logprobs": completion_logprobs(out.logprobs, self.decode, 0) if out.logprobs is not None else None}
-                   for i, out in enumerate(finals)]
+        choices = [{"index": i, **self._completion_body(req, out, texts[i // req.n], out.text, out.token_ids, out.logprobs, 0, req.echo),
+                    "finish_reason": out.finish_reason} for i, out in enumerate(finals)]
         return envelope("text_completion", request_id, self.model_name, choices, usage=usage(prompt_tokens, finals))
+
+    def _completion_body(self, req: CompletionRequest, out: RequestOutput, prompt_text: str, text: str, token_ids: list[int],
+                         logprobs: list | None, offset: int, echo: bool) -> dict:
+        """`text` and the logprobs of `token_ids` (starting at `offset` in the choice's text), after the prompt's if `echo`."""
+        if echo:
+            text, token_ids, offset = prompt_text + text, out.prompt_token_ids + token_ids, 0
+            logprobs = None if logprobs is None else out.prompt_logprobs + logprobs
+        shown = req.logprobs is not None and logprobs is not None
+        return {"text": text, "logprobs": completion_logprobs(logprobs, token_ids, self.decode, offset) if shown else None}
 
     async def chat(self, req: ChatCompletionRequest):
         self.check_model(req.model)
@@ -154,12 +163,15 @@ class Server:
                    for i, out in enumerate(finals)]
         return envelope("chat.completion", request_id, self.model_name, choices, usage=usage(len(ids), finals))
 
-    def _completion_prompts(self, prompt) -> list[list[int]]:
+    def _completion_prompts(self, prompt) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's token ids and text (what echo repeats)."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt must not be empty")
-        return [self.engine.tokenize(p) for p in prompt]
+        ids = [self.engine.tokenize(p) for p in prompt]
+        texts = [p if isinstance(p, str) else self.engine.tokenizer.decode(t) if self.engine.tokenizer else "" for p, t in zip(prompt, ids)]
+        return ids, texts
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
@@ -171,16 +183,19 @@ class Server:
     def _stream(self, chunks: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _completion_chunks(self, req, request_id, streams, prompt_tokens) -> AsyncIterator[str]:
-        created, finals, extra = int(time.time()), [], _usage_field(req)
+    async def _completion_chunks(self, req, request_id, streams, prompt_tokens, texts) -> AsyncIterator[str]:
+        created, finals, extra, echoed = int(time.time()), [], _usage_field(req), set()
         async for index, out in merge_or_error(streams):
             if isinstance(out, dict):
                 yield sse(out)
                 break
-            logprobs = None
-            if out.logprobs is not None:
-                logprobs = completion_logprobs(out.logprobs[-1:], self.decode, len(out.text) - len(out.new_text))
-            choice = {"index": index, "text": out.new_text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            first, prompt_text = index not in echoed, texts[index // req.n]
+            echoed.add(index)
+            new = out.new_token_ids
+            logprobs = out.logprobs[len(out.logprobs) - len(new):] if out.logprobs is not None else None
+            offset = len(prompt_text) * req.echo + len(out.text) - len(out.new_text)
+            body = self._completion_body(req, out, prompt_text, out.new_text, new, logprobs, offset, req.echo and first)
+            choice = {"index": index, **body, "finish_reason": out.finish_reason}
             yield sse(envelope("text_completion", request_id, self.model_name, [choice], created, **extra))
             finals += [out] if out.finished else []
         if extra:

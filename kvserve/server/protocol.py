@@ -37,7 +37,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     cache_salt: str | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int, prompt_logprobs: int | None = None) -> SamplingParams:
         """Choice i of n gets seed + i, so n > 1 with a seed gives n different but reproducible answers."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -45,14 +45,21 @@ class SamplingRequest(BaseModel):
             seed=None if self.seed is None else self.seed + choice, max_tokens=max_tokens, stop=stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-            cache_salt=self.cache_salt,
+            prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt,
         )
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion; with logprobs, the prompt's too (max_tokens 0: only those)
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """What the engine scores of the prompt: its logprobs when echoed with logprobs (or scored alone)."""
+        if not self.echo or (self.logprobs is None and self.max_tokens != 0):
+            return None
+        return self.logprobs or 0
 
 
 class TextPart(BaseModel):
@@ -111,14 +118,15 @@ def chat_logprobs(logprobs: list[TokenLogprob], decode) -> dict:
                         for lp in logprobs]}
 
 
-def completion_logprobs(logprobs: list[TokenLogprob], decode, start_offset: int) -> dict:
-    tokens = [decode(lp.token_id) for lp in logprobs]
+def completion_logprobs(logprobs: list[TokenLogprob | None], token_ids: list[int], decode, start_offset: int) -> dict:
+    """The legacy completions shape; None entries (an echoed prompt's first token) have null logprobs."""
+    tokens = [decode(t) for t in token_ids]
     offsets, at = [], start_offset
     for text in tokens:
         offsets.append(at)
         at += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{decode(t): v for t, v in lp.top.items()} for lp in logprobs], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [lp and lp.logprob for lp in logprobs],
+            "top_logprobs": [lp and {decode(t): v for t, v in lp.top.items()} for lp in logprobs], "text_offset": offsets}
 
 
 def envelope(kind: str, request_id: str, model: str, choices: list[dict], created: int | None = None, **extra) -> dict:
