@@ -1,4 +1,4 @@
-"""The `kvserve` command: generate, chat, serve, memory."""
+"""The `kvserve` command: generate, chat, serve, memory, eval."""
 from __future__ import annotations
 
 import argparse
@@ -171,14 +171,19 @@ def _add_serve_parser(sub) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, low: int = 1, high: int | None = None) -> list[int]:
     try:
         values = [int(v.replace("_", "")) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    if any(v < low or (high is not None and v > high) for v in values):
+        raise argparse.ArgumentTypeError(f"values must be in [{low}, {high}], got {text!r}" if high is not None
+                                         else f"values must be >= {low}, got {text!r}")
     return values
+
+
+def _percent_list(text: str) -> list[int]:
+    return _int_list(text, 0, 100)
 
 
 def cmd_memory(args: argparse.Namespace) -> None:
@@ -230,6 +235,49 @@ def _add_memory_parser(sub) -> None:
     mem.set_defaults(func=cmd_memory)
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    import json
+
+    from kvserve.eval import EvalSettings, run_eval
+    from kvserve.eval.report import plot, render
+
+    settings = EvalSettings(
+        model=args.model, compare=args.compare, base=args.base, text=args.text, context=args.context, chunk=args.chunk,
+        tokens=args.tokens, passkey_lengths=args.passkey_lengths, passkey_depths=args.passkey_depths,
+        passkey_trials=args.passkey_trials, decode_tokens=args.decode_tokens, seed=args.seed,
+    )
+    report = run_eval(settings)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        render(report)
+    if args.plot:
+        paths = plot(report, args.plot)
+        print("plots written: " + ", ".join(map(str, paths)), file=sys.stderr)
+
+
+def _add_eval_parser(sub) -> None:
+    d = EngineConfig()
+    ev = sub.add_parser("eval", help="what KV options cost: perplexity, KL, passkey, memory and speed against a baseline")
+    ev.add_argument("--model", default=d.model)
+    ev.add_argument("--compare", action="append", default=[], metavar="NAME=VALUE,...",
+                    help="an option set to compare with the baseline, e.g. kv_cache_dtype=int8 (repeatable)")
+    ev.add_argument("--base", default="matmul_dtype=float32", metavar="NAME=VALUE,...",
+                    help="engine options every run shares, the baseline included")
+    ev.add_argument("--text", default=None, help="a text file (default: Python's own documentation, pydoc_data.topics)")
+    ev.add_argument("--context", type=int, default=2048, help="tokens per perplexity window")
+    ev.add_argument("--chunk", type=int, default=512, help="tokens scored per step: later chunks attend to the cached K/V")
+    ev.add_argument("--tokens", type=int, default=8192, help="tokens of text to score")
+    ev.add_argument("--passkey-lengths", type=_int_list, default=None, help="context lengths (default: context/4, /2, /1)")
+    ev.add_argument("--passkey-depths", type=_percent_list, default=[0, 25, 50, 75, 100], help="depths in percent")
+    ev.add_argument("--passkey-trials", type=int, default=1, help="random keys per length and depth")
+    ev.add_argument("--decode-tokens", type=int, default=32)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--json", action="store_true")
+    ev.add_argument("--plot", metavar="DIR", help="write perplexity.png and passkey.png here")
+    ev.set_defaults(func=cmd_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="A small LLM inference engine built around the KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -246,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     _add_serve_parser(sub)
     _add_memory_parser(sub)
+    _add_eval_parser(sub)
     return parser
 
 
