@@ -212,3 +212,14 @@ def test_max_tokens_zero_needs_echo(server):
     body = {"model": "test-model", "prompt": "hi", "max_tokens": 0}
     r = httpx.post(f"{server}/v1/completions", json=body)
     assert r.status_code == 400 and "max_tokens must be >= 1 (or 0 to only score the prompt" in r.json()["error"]["message"]
+
+
+def test_streamed_choices_equal_unstreamed_with_stop_strings(server):
+    body = {"model": "test-model", "prompt": "Write one sentence about the sea:", "max_tokens": 24, "n": 2, "seed": 5,
+            "temperature": 0.8, "stop": ["th", "e s"]}
+    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"]
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(2)]
+    assert streamed == [c["text"] for c in sorted(whole, key=lambda c: c["index"])]
+    assert any(c["finish_reason"] == "stop" for c in whole)

@@ -51,7 +51,7 @@ class OutputProcessor:
 
     def append(self, seq: Sequence, tokens: list[int], logprobs: torch.Tensor | None, logprob_rows: list[int]) -> RequestOutput:
         """Append tokens up to the first that finishes the request; the output carries the new text."""
-        now, metrics, previous = time.perf_counter(), seq.metrics, seq.text
+        now, metrics = time.perf_counter(), seq.metrics
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
         detokenizer, reason, new = self.detokenizers.get(seq.request_id), None, []
@@ -70,9 +70,13 @@ class OutputProcessor:
         if reason is not None:
             metrics.finished_time = now
             self.finish(seq, reason)
+        # A stream holds back text that could still turn into a stop string, so what it shows is always what
+        # the finished request's text starts with.
+        shown = seq.text if reason is not None else seq.text[: len(seq.text) - _stop_prefix_length(seq.text, seq.params.stop)]
+        delta, seq.num_shown_chars = shown[seq.num_shown_chars:], len(shown)
         distributions = torch.cat(seq.prompt_distributions) if reason is not None and seq.prompt_distributions else None
-        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], seq.text,
-                             seq.output_token_ids, seq.finish_reason, metrics, seq.logprobs, seq.text[len(previous):], new,
+        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], shown,
+                             seq.output_token_ids, seq.finish_reason, metrics, seq.logprobs, delta, new,
                              seq.prompt_logprobs, distributions)
 
     def _check_stop(self, seq: Sequence, token: int, text: str) -> tuple[str, str | None]:
@@ -87,6 +91,11 @@ class OutputProcessor:
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_request_tokens:
             return text, "length"
         return text, None
+
+
+def _stop_prefix_length(text: str, stops: list[str]) -> int:
+    """The longest end of `text` that is the start of a stop string (which more text could complete)."""
+    return max((k for stop in stops for k in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:k])), default=0)
 
 
 def _token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:

@@ -39,6 +39,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""
+        self.num_shown_chars = 0  # of text, already in an output's new_text
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # one entry per prompt token scored so far; the first token has nothing before it
         self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
