@@ -25,3 +25,46 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return full[len(prefix):]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes byte b as one printable character; this maps it back."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """A token's own bytes, which may be part of a UTF-8 character: byte-level BPE pieces mapped back,
+    SentencePiece's ▁ as a space and its <0xNN> byte tokens as that byte."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if piece is None:
+        return b""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    if _byte_level(tokenizer) and all(c in BYTE_LEVEL for c in piece):
+        return bytes(BYTE_LEVEL[c] for c in piece)
+    return piece.replace("\u2581", " ").encode()
+
+
+def _byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and "ByteLevel" in repr(backend.decoder)
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token as text for logprobs: its characters, or "bytes:\\xNN..." where it is not whole UTF-8 (OpenAI's way)."""
+    raw = token_bytes(tokenizer, token_id)
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvserve.engine.detokenizer import token_bytes, token_text
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import KVServeError
 from kvserve.outputs import RequestOutput
@@ -107,7 +108,11 @@ class Server:
                            "not_found_error", "model_not_found")
 
     def decode(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id]) if self.engine.tokenizer else str(token_id)
+        """A token as logprobs show it: its text, or "bytes:\\xNN..." for part of a UTF-8 character."""
+        return token_text(self.engine.tokenizer, token_id) if self.engine.tokenizer else str(token_id)
+
+    def raw(self, token_id: int) -> bytes:
+        return token_bytes(self.engine.tokenizer, token_id) if self.engine.tokenizer else b""
 
     def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         text = self.engine.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
@@ -148,7 +153,7 @@ class Server:
             text, token_ids, offset = prompt_text + text, out.prompt_token_ids + token_ids, 0
             logprobs = None if logprobs is None else out.prompt_logprobs + logprobs
         shown = req.logprobs is not None and logprobs is not None
-        return {"text": text, "logprobs": completion_logprobs(logprobs, token_ids, self.decode, offset) if shown else None}
+        return {"text": text, "logprobs": completion_logprobs(logprobs, token_ids, self.decode, self.raw, offset) if shown else None}
 
     async def chat(self, req: ChatCompletionRequest):
         self.check_model(req.model)
@@ -159,7 +164,7 @@ class Server:
             return self._stream(self._chat_chunks(req, request_id, streams, len(ids)))
         finals = await self._collect(streams)
         choices = [{"index": i, "message": {"role": "assistant", "content": out.text}, "finish_reason": out.finish_reason,
-                    "logprobs": chat_logprobs(out.logprobs, self.decode) if out.logprobs is not None else None}
+                    "logprobs": chat_logprobs(out.logprobs, self.decode, self.raw) if out.logprobs is not None else None}
                    for i, out in enumerate(finals)]
         return envelope("chat.completion", request_id, self.model_name, choices, usage=usage(len(ids), finals))
 
@@ -215,7 +220,7 @@ class Server:
             if isinstance(out, dict):
                 yield sse(out)
                 break
-            logprobs = chat_logprobs(out.logprobs[-1:], self.decode) if out.logprobs is not None else None
+            logprobs = chat_logprobs(out.logprobs[-1:], self.decode, self.raw) if out.logprobs is not None else None
             if out.new_text or logprobs:
                 yield chunk(index, {"content": out.new_text}, logprobs=logprobs)
             if out.finished:

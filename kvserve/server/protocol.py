@@ -1,6 +1,7 @@
 """OpenAI request bodies (pydantic) and the JSON shapes of responses and stream chunks."""
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from typing import Literal
@@ -109,23 +110,23 @@ def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def chat_logprobs(logprobs: list[TokenLogprob], decode) -> dict:
+def chat_logprobs(logprobs: list[TokenLogprob], decode, raw) -> dict:
+    """`decode` gives a token's text for logprobs, `raw` its own bytes (part of a character, maybe)."""
     def entry(token_id: int, logprob: float) -> dict:
-        text = decode(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": decode(token_id), "logprob": logprob, "bytes": list(raw(token_id))}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top.items()]}
                         for lp in logprobs]}
 
 
-def completion_logprobs(logprobs: list[TokenLogprob | None], token_ids: list[int], decode, start_offset: int) -> dict:
-    """The legacy completions shape; None entries (an echoed prompt's first token) have null logprobs."""
-    tokens = [decode(t) for t in token_ids]
-    offsets, at = [], start_offset
-    for text in tokens:
-        offsets.append(at)
-        at += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp and lp.logprob for lp in logprobs],
+def completion_logprobs(logprobs: list[TokenLogprob | None], token_ids: list[int], decode, raw, start_offset: int) -> dict:
+    """The legacy completions shape; None entries (an echoed prompt's first token) have null logprobs. A token's
+    text_offset counts the whole characters before it (one it completes began before it)."""
+    offsets, chars, utf8 = [], start_offset, codecs.getincrementaldecoder("utf-8")(errors="ignore")
+    for t in token_ids:
+        offsets.append(chars)
+        chars += len(utf8.decode(raw(t)))
+    return {"tokens": [decode(t) for t in token_ids], "token_logprobs": [lp and lp.logprob for lp in logprobs],
             "top_logprobs": [lp and {decode(t): v for t, v in lp.top.items()} for lp in logprobs], "text_offset": offsets}
 
 
