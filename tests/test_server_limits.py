@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -17,7 +18,7 @@ BODY = {"model": "test-model", "prompt": [1, 2, 3, 4], "max_tokens": 3, "ignore_
 
 @pytest.fixture(scope="module")
 def secured(tiny_model_dir):
-    with running_server(str(tiny_model_dir), api_key="s3cret", max_waiting=2) as (url, _):
+    with running_server(str(tiny_model_dir), api_key="s3cret", max_waiting=2, max_num_seqs=1) as (url, _):
         yield url
 
 
@@ -35,10 +36,34 @@ def test_right_api_key_and_open_routes(secured):
 
 
 def test_full_waiting_queue_gets_503_with_retry_after(secured):
-    r = httpx.post(f"{secured}/v1/completions", json={**BODY, "n": 3}, headers={"Authorization": "Bearer s3cret"})
-    assert r.status_code == 503 and r.headers["retry-after"] == "1"
-    ok = httpx.post(f"{secured}/v1/completions", json=BODY, headers={"Authorization": "Bearer s3cret"})
-    assert ok.status_code == 200
+    """One request runs (max_num_seqs 1), two wait (max_waiting 2): the next is turned away until they are done."""
+    auth, long = {"Authorization": "Bearer s3cret"}, {**BODY, "max_tokens": 400}
+    with ThreadPoolExecutor(3) as pool:
+        busy = [pool.submit(httpx.post, f"{secured}/v1/completions", json=long, headers=auth, timeout=120) for _ in range(3)]
+        deadline = time.time() + 30
+        while _gauge(secured, "num_requests_waiting") < 2:
+            assert time.time() < deadline, "the queue never filled"
+            time.sleep(0.01)
+        r = httpx.post(f"{secured}/v1/completions", json=BODY, headers=auth)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "2 requests are waiting" in r.json()["error"]["message"]
+        assert all(f.result().status_code == 200 for f in busy)
+    assert httpx.post(f"{secured}/v1/completions", json=BODY, headers=auth).status_code == 200
+
+
+def test_more_prompts_than_the_queue_holds_is_a_400(secured):
+    r = httpx.post(f"{secured}/v1/completions", json={**BODY, "prompt": [[1, 2]] * 2, "n": 2}, headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "one request may carry at most 2 prompts x n; this one has 2 prompt(s) x n=2 = 4"
+
+
+def test_kv_state_needs_the_key(secured):
+    assert httpx.get(f"{secured}/kv/state").status_code == 401
+    assert httpx.get(f"{secured}/kv/state", headers={"Authorization": "Bearer s3cret"}).json()["usage"]["num_blocks"] > 0
+
+
+def _gauge(url: str, name: str) -> float:
+    line = next(l for l in httpx.get(f"{url}/metrics").text.splitlines() if l.startswith(f"kvserve:{name}{{"))
+    return float(line.split()[-1])
 
 
 def test_sigterm_shuts_down_cleanly(tiny_model_dir):

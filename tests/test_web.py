@@ -47,3 +47,21 @@ def test_chat_streams_and_grid_changes(browser):
         # once finished, its full blocks stay as cached prefix blocks
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#grid .block[data-state=cached]"))
         assert int(browser.find_element(By.ID, "total").text) > 0
+
+
+def test_page_takes_the_api_key(browser):
+    """With --api-key the page's state and chat need the key; typed into the page, both work."""
+    with running_server("smollm2-135m", kv_cache_memory="64MiB", api_key="s3cret") as (url, _):
+        browser.get(url)
+        wait = WebDriverWait(browser, 30)
+        wait.until(lambda d: "API key" in d.find_element(By.ID, "layout").text)
+        assert not browser.find_elements(By.CSS_SELECTOR, "#grid .block")
+        key = browser.find_element(By.ID, "key")
+        key.send_keys("s3cret")
+        browser.execute_script("arguments[0].dispatchEvent(new Event('change'))", key)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#grid .block")) > 0)
+        browser.find_element(By.ID, "input").send_keys("Say hello.")
+        browser.find_element(By.ID, "send").click()
+        answer = (By.CSS_SELECTOR, ".msg.assistant")
+        wait.until(lambda d: d.find_element(*answer).get_attribute("data-done") == "1")
+        assert not browser.find_element(*answer).text.startswith("error")

@@ -23,7 +23,7 @@ from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, D
                                      TokenizeRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage)
 
 STATIC = Path(__file__).parent / "static"
-PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/kv/")  # /kv/state names live requests
 
 
 class APIError(Exception):
@@ -129,6 +129,9 @@ class Server:
                 params = req.sampling_params(tokens, logprobs, j, prompt_logprobs)
                 self.engine.check_request(ids, params)
                 jobs.append((ids, params))
+        if len(jobs) > self.async_engine.max_waiting:  # could never fit, however idle the server: not a 503
+            raise APIError(400, f"one request may carry at most {self.async_engine.max_waiting} prompts x n; this one has "
+                                f"{len(prompts)} prompt(s) x n={req.n} = {len(jobs)}")
         self.async_engine.check_capacity(len(jobs))
         request_id = new_id(prefix)
         return request_id, [self.async_engine.generate(f"{request_id}-{k}", ids, params) for k, (ids, params) in enumerate(jobs)]
