@@ -141,6 +141,10 @@ BAD = [
     ({"model": "test-model", "prompt": ""}, 400, "empty"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "The model `gpt-4` does not exist"),
     ({"model": "test-model"}, 400, "prompt: Field required"),
+    ({"model": "test-model", "prompt": "hi", "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
+    ({"model": "test-model", "prompt": "hi", "temperature": "0.5"}, 400, "temperature: Input should be a valid number"),
+    ({"model": "test-model", "prompt": "hi", "echo": 1}, 400, "echo: Input should be a valid boolean"),
+    ({"model": "test-model", "prompt": "hi", "n": 2.0}, 400, "n: Input should be a valid integer"),
 ]
 
 

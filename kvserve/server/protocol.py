@@ -12,14 +12,20 @@ from kvserve.outputs import RequestOutput, TokenLogprob
 from kvserve.sampling_params import SamplingParams
 
 
+# Request bodies are strict, as OpenAI's API is: "stream": "yes" or "temperature": "0.5" is a 400, not a guess.
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions, with vLLM's extras."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -64,12 +70,14 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -88,6 +96,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(BaseModel):
+    model_config = STRICT
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -95,6 +105,8 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+
     model: str | None = None
     tokens: list[int]
 
