@@ -88,3 +88,29 @@ def test_cli_chat_reuses_the_conversation_cache(capsys):
     stats = [line for line in capsys.readouterr().err.splitlines() if "prefilled" in line]
     assert len(stats) == 2
     assert "0 from cache" in stats[0] and "0 from cache" not in stats[1]
+
+
+def test_gguf_tensor_type_the_gguf_package_cannot_read(tmp_path, monkeypatch, capsys):
+    """A GGUF whose weights are in a type gguf cannot dequantize ends in one line naming the tensor and type."""
+    import gguf
+    import numpy as np
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(128)
+    writer.add_context_length(128)
+    writer.add_token_list([f"t{i}" for i in range(32)])
+    kind = gguf.GGMLQuantizationType.Q8_1
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64 // block * size), dtype=np.uint8), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert cli.main(["generate", "--model", str(path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "token_embd.weight is stored as Q8_1" in err and "cannot dequantize" in err

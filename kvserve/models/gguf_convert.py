@@ -87,19 +87,35 @@ def _convert(gguf_path: Path, out: Path) -> None:
     config = _hf_config(reader)
     weights, blocks = {}, {}
     for tensor in reader.tensors:
-        name, array = _hf_name(tensor.name), gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        name, array = _hf_name(tensor.name), _dequantize(tensor)
         raw = np.asarray(tensor.data).reshape(array.shape[0], -1) if tensor.tensor_type.name in _KERNEL_TYPES else None
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             array = _unpermute_rope(array, heads)
             raw = None if raw is None else _unpermute_rope(raw, heads)  # whole rows move, blocks and all
-        weights[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: the file is mapped read-only
         if raw is not None:
             blocks[name] = torch.from_numpy(np.array(raw, dtype=np.uint8))
     save_file(weights, out / "model.safetensors")
     save_file(blocks, out / BLOCKS_FILE)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(gguf_path, out)
+
+
+def _dequantize(tensor) -> np.ndarray:
+    import gguf
+
+    try:
+        return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise KVServeError(f"tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf package "
+                           f"(version {_gguf_version()}) cannot dequantize; convert the file to another type") from None
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
 
 
 def _field(reader, key: str, default=None):
