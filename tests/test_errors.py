@@ -1,6 +1,8 @@
 """Bad input fails with one clear error, from the API and from the CLI."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvserve import LLM, KVServeError
@@ -66,6 +68,7 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
     (["generate", "--prompt", "word " * 9000, "--max-tokens", "4"], "at most 8192"),
     (["generate", "--prompt", "hi", "--kv-cache-dtype", "int3"], "kv_cache_dtype must be one of auto, float32, bfloat16, "
      "float16, fp8_e4m3, fp8_e5m2, int8, int4, kivi2, got 'int3'"),
+    (["generate", "--prompt", "hi", "--repetition-penalty", "0"], "repetition_penalty must be > 0, got 0.0"),
     (["generate", "--prompt", "hi", "--kv-cache-dtype", "kivi2", "--kivi-residual", "100"],
      "kivi_residual must be a multiple of the block size (16), got 100"),
 ])
@@ -75,11 +78,28 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     assert message in err and err.startswith("kvserve: error:") and "\n" not in err
 
 
-def test_cli_generate_streams_and_reports(capsys):
-    assert cli.main(["generate", "--prompt", "The capital of France is", "--max-tokens", "8"]) == 0
+STATS = re.compile(r"\[(\d+) prompt tokens: (\d+) prefilled, (\d+) from cache \| (\d+) generated \| TTFT (\d+) ms \| "
+                   r"decode ([\d.]+) tok/s \| KV ([\d.]+) MiB \| finish: (\w+)\]")
+
+
+def test_cli_generate_streams_and_reports(capsys, smollm2):
+    prompt = "The capital of France is"
+    assert cli.main(["generate", "--prompt", prompt, "--max-tokens", "8", "--ignore-eos"]) == 0
     captured = capsys.readouterr()
     assert "Paris" in captured.out
-    assert "TTFT" in captured.err and "tok/s" in captured.err and "KV" in captured.err
+    prompt_tokens, prefilled, cached, generated, ttft, rate, kv, finish = STATS.search(captured.err).groups()
+    n = len(smollm2.engine.tokenize(prompt))
+    assert (int(prompt_tokens), int(prefilled), int(cached), int(generated), finish) == (n, n, 0, 8, "length")
+    assert int(ttft) > 0 and float(rate) > 0
+    per_token = smollm2.engine.layout.bytes_per_token  # the last token sampled has no K/V yet
+    assert float(kv) == pytest.approx((n + 8 - 1) * per_token / 2**20, abs=0.006)
+
+
+def test_cli_scheduler_and_penalty_flags(capsys):
+    argv = ["generate", "--prompt", "one one one one", "--max-tokens", "6", "--scheduler", "static",
+            "--repetition-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "0.5", "--ignore-eos"]
+    assert cli.main(argv) == 0
+    assert STATS.search(capsys.readouterr().err).group(4) == "6"
 
 
 def test_cli_chat_reuses_the_conversation_cache(capsys):

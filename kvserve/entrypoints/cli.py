@@ -26,6 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
+    parser.add_argument("--scheduler", default=d.scheduler, choices=["continuous", "static"],
+                        help="continuous batching, or static padded batches (the baseline)")
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
     parser.add_argument("--no-native-kernels", action="store_true",
                         help="plain torch only: no paged decode-attention kernel, fp32 copies of GGUF weights")
@@ -45,7 +47,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=args.preemption_mode, use_kv_cache=not args.no_kv_cache,
+        preemption_mode=args.preemption_mode, scheduler=args.scheduler, use_kv_cache=not args.no_kv_cache,
         native_kernels=not args.no_native_kernels, matmul_dtype=args.matmul_dtype, kv_cache_dtype=args.kv_cache_dtype,
         cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, kivi_residual=args.kivi_residual, seed=args.seed,
     )
@@ -59,11 +61,16 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (reproducible output)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], as OpenAI's")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], as OpenAI's")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, as vLLM's (1: none)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-                          max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+                          max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty)
 
 
 def stats_line(out: RequestOutput) -> str:
