@@ -1,6 +1,27 @@
 from __future__ import annotations
 
+import threading
+
 PROMPT_CONTEXT_TOKENS = 6
+
+
+class SerialTokenizer:
+    """The engine's tokenizer, entered by one thread at a time. The server encodes prompts on its HTTP thread
+    while the engine thread detokenizes, and transformers' fast tokenizers reset shared truncation and padding
+    state on every encode call; a lock held for one call at a time costs a microsecond."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self._lock = tokenizer, threading.RLock()
+
+    def __getattr__(self, name: str):
+        value = getattr(self._tokenizer, name)
+        if not callable(value):
+            return value
+
+        def serial(*args, **kwargs):
+            with self._lock:
+                return value(*args, **kwargs)
+        return serial
 
 
 class IncrementalDetokenizer:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import EngineConfig, parse_size
+from kvserve.engine.detokenizer import SerialTokenizer
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -36,7 +37,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.config = config
         self.checkpoint = open_checkpoint(config.model)
-        self.tokenizer = self.checkpoint.tokenizer
+        self.tokenizer = SerialTokenizer(self.checkpoint.tokenizer) if self.checkpoint.tokenizer is not None else None
         model_config = self.checkpoint.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if self.max_model_len > model_config.max_position_embeddings:

@@ -1,0 +1,66 @@
+"""The engine thread rule: the server's HTTP thread and the engine loop share the tokenizer, and never use it at
+the same moment (transformers' fast tokenizers change shared state on every encode)."""
+from __future__ import annotations
+
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from tests.conftest import FP32
+from tests.server_utils import running_server
+
+
+class Watch:
+    """Counts calls that enter the wrapped object while another call is inside it."""
+
+    def __init__(self, inner):
+        self.inner, self.active, self.overlaps, self.calls, self.guard = inner, 0, 0, 0, threading.Lock()
+
+    def __getattr__(self, name):
+        value = getattr(self.inner, name)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            with self.guard:
+                self.active += 1
+                self.calls += 1
+                self.overlaps += self.active > 1
+            try:
+                return value(*args, **kwargs)
+            finally:
+                with self.guard:
+                    self.active -= 1
+        return call
+
+
+def _request(url: str, i: int) -> int:
+    kind = i % 4
+    if kind == 0:
+        body = {"model": "test-model", "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 32,
+                "stream": i % 8 == 0, "ignore_eos": True}
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code
+    if kind == 1:
+        body = {"model": "test-model", "prompt": f"Number {i} is", "max_tokens": 32, "logprobs": 1, "ignore_eos": True}
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code
+    if kind == 2:
+        return httpx.post(f"{url}/tokenize", json={"prompt": "many words, " * 200 * i}, timeout=120).status_code
+    return httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi " * i}]}, timeout=120).status_code
+
+
+def test_100_concurrent_requests_never_share_the_tokenizer_at_once():
+    with running_server("smollm2-135m", kv_cache_memory="64MiB", **FP32) as (url, app):
+        tokenizer = app.state.server.engine.tokenizer
+        watch = Watch(tokenizer._tokenizer)
+        tokenizer._tokenizer = watch
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)  # threads take turns often, so a call made from two threads at once shows up
+        try:
+            with ThreadPoolExecutor(16) as pool:
+                statuses = list(pool.map(lambda i: _request(url, i), range(100)))
+        finally:
+            sys.setswitchinterval(interval)
+    assert statuses == [200] * 100
+    assert watch.calls > 300 and watch.overlaps == 0
