@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve import KVServeError, SamplingParams
 from tests.conftest import greedy
@@ -48,6 +49,24 @@ def test_eos_stops_unless_ignored(smollm2):
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] in smollm2.engine.eos_token_ids
     ignored = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=len(stopped.token_ids) + 3, ignore_eos=True))[0]
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == len(stopped.token_ids) + 3
+
+
+def test_logprobs_equal_transformers(smollm2):
+    """The chosen token's and the top 3's log-probabilities at each step, against transformers' log-softmax (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.models.gguf_convert import converted_dir
+    from kvserve.models.registry import resolve_model_path
+
+    out = smollm2.generate(PROMPT, SamplingParams(temperature=0.7, seed=1, max_tokens=6, logprobs=3), use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(converted_dir(resolve_model_path("smollm2-135m")), dtype=torch.float32).eval()
+    ids = out.prompt_token_ids + out.token_ids
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)[len(out.prompt_token_ids) - 1: -1]
+    for lp, token, row in zip(out.logprobs, out.token_ids, expected):
+        assert lp.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        values, top = row.topk(3)
+        assert list(lp.top) == top.tolist() and list(lp.top.values()) == pytest.approx(values.tolist(), abs=1e-4)
 
 
 def test_logprobs_are_reported(smollm2):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -115,9 +117,15 @@ def test_32_concurrent_streams_equal_alone(server):
     assert all(len(t) > 0 for t in together)
 
 
-def test_disconnect_mid_stream_frees_kv(server):
-    idle = kv_usage(server)
-    body = {"model": "test-model", "prompt": "Tell me a very long story.", "max_tokens": 400, "stream": True,
+def _counter(url: str, name: str, label: str = "") -> float:
+    lines = [line for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(f"kvserve:{name}{{") and label in line]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_disconnect_mid_stream_stops_generating_and_frees_kv(server):
+    idle, aborts = kv_usage(server), _counter(server, "request_success_total", 'finished_reason="abort"')
+    generated = _counter(server, "generation_tokens_total")
+    body = {"model": "test-model", "prompt": "Tell me a very long story.", "max_tokens": 2000, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()  # kept open: breaking out of a for loop over it would close the stream
@@ -128,6 +136,32 @@ def test_disconnect_mid_stream_frees_kv(server):
     while kv_usage(server) != idle:
         assert time.time() < deadline, "the aborted request kept its KV blocks"
         time.sleep(0.1)
+    time.sleep(0.5)  # a request still generating would go on adding tokens meanwhile
+    assert _counter(server, "generation_tokens_total") - generated < 200  # of the 2,000 it asked for
+    assert _counter(server, "request_success_total", 'finished_reason="abort"') == aborts + 1
+
+
+def test_storm_of_dropped_streams_leaves_no_blocks_in_use(server):
+    """50 streams, each dropped after a random number of chunks: no block stays in use, and the server answers."""
+    rng = random.Random(0)
+    body = {"model": "test-model", "max_tokens": 300, "stream": True, "ignore_eos": True}
+
+    def drop_after(i: int) -> None:
+        with httpx.stream("POST", f"{server}/v1/completions", json={**body, "prompt": f"Story number {i}:"}, timeout=60) as r:
+            lines = r.iter_lines()
+            for _ in range(rng.randint(1, 12)):
+                next(lines)
+
+    with ThreadPoolExecutor(50) as pool:
+        list(pool.map(drop_after, range(50)))
+    deadline = time.time() + 30
+    while _counter(server, "num_requests_running") or _counter(server, "num_requests_waiting"):
+        assert time.time() < deadline, "dropped streams kept running"
+        time.sleep(0.1)
+    state = httpx.get(f"{server}/kv/state").json()
+    assert state["usage"]["used_blocks"] == 0 and state["running"] == state["waiting"] == 0
+    ok = httpx.post(f"{server}/v1/completions", json={"model": "test-model", "prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200
 
 
 BAD = [
