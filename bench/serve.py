@@ -102,7 +102,7 @@ def main() -> None:
     prompts = make(2 * top)
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True), use_tqdm=False)
-    offline = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    offline = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
     print(f"\nprompts {args.prompt_len} tokens, {args.new_tokens} new tokens, streaming completions on loopback")
     for c, n, r in rows:

@@ -48,7 +48,7 @@ def run_kvserve(name: str, llm: LLM, prompts: list[list[int]], new_tokens: int) 
         allocated += sum(len(s.block_tables[0]) for s in running) * engine.config.block_size
         held += sum(s.num_computed_tokens for s in running)
     seconds = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outputs)
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return Result(name, generated / seconds, [o.metrics.ttft for o in outputs], 1 - held / max(allocated, 1))
 
 

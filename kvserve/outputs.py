@@ -15,7 +15,8 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    forked_blocks: int = 0  # n > 1: blocks of the prompt the other completions share instead of computing again
     kv_bytes: int = 0
 
     @property
@@ -46,23 +47,35 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    """What a request has produced so far; `finished` once `finish_reason` is set."""
+class CompletionOutput:
+    """One of a request's n completions, in vLLM's shape; new_text and new_token_ids are what the step that made
+    this output added (a stream shows those)."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+    index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
-    metrics: RequestMetrics
-    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None  # with SamplingParams.logprobs
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None: EOS, length)
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs: None for the first token
-    # SamplingParams.prompt_distributions, once finished: [prompt tokens - 1, vocab] fp16 log-probs, row i predicting token i + 1
-    prompt_distributions: Any = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a request has produced so far, in vLLM's shape: `outputs` holds its n completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs: None for the first token
+    # SamplingParams.prompt_distributions, once finished: [prompt tokens - 1, vocab] fp16 log-probs, row i predicting token i + 1
+    prompt_distributions: Any = None

@@ -9,6 +9,7 @@ from kvserve.errors import KVServeError
 class SamplingParams:
     """How to pick tokens and when to stop, with vLLM's names and meanings."""
 
+    n: int = 1  # completions of one prompt: they share its prefill (completion i samples with seed + i)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -33,6 +34,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         checks = [
+            (1 <= self.n <= 64, f"n must be in [1, 64], got {self.n}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or >= 1, got {self.top_k}"),

@@ -16,7 +16,7 @@ NEW = 16
 def _outputs(llm: LLM) -> list[list[int]]:
     outs = llm.generate(PROMPTS, greedy(NEW), use_tqdm=False)
     assert llm.engine.kv_manager.pool.num_used == 0
-    return [o.token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_bad_device_is_a_clear_error(tiny_model_dir):
@@ -43,7 +43,7 @@ def test_auto_device_picks_cuda_when_present(tiny_model_dir):
 ], ids=["chunked", "recompute", "swap", "static"])
 def test_cuda_batched_equals_alone(tiny_model_dir, options):
     alone_llm = LLM(str(tiny_model_dir), device="cuda", enable_prefix_caching=False)
-    alone = [alone_llm.generate(p, greedy(NEW), use_tqdm=False)[0].token_ids for p in PROMPTS]
+    alone = [alone_llm.generate(p, greedy(NEW), use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     llm = LLM(str(tiny_model_dir), device="cuda", enable_prefix_caching=False, **options)
     assert _outputs(llm) == alone
     if "preemption_mode" in options:
@@ -61,7 +61,7 @@ def test_cuda_bfloat16_halves_kv_and_tracks_fp32(tiny_model_dir):
     la, lb = fp32.engine.runner.last_logits, bf16.engine.runner.last_logits
     assert la.dtype == lb.dtype == torch.float32
     assert (la - lb).abs().max() < 0.05 * la.abs().max()
-    assert a.token_ids == b.token_ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 @needs_cuda

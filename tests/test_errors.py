@@ -41,7 +41,7 @@ def test_prompt_longer_than_context(tiny_model_dir):
     with pytest.raises(KVServeError, match="max_tokens 40 is too large"):
         llm.generate(list(range(30)), greedy(40), use_tqdm=False)
     assert llm.engine.kv_manager.pool.num_used == 0 and not llm.engine.has_unfinished_requests()
-    assert len(llm.generate(list(range(30)), greedy(4), use_tqdm=False)[0].token_ids) == 4  # still serves
+    assert len(llm.generate(list(range(30)), greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4  # still serves
 
 
 def test_bad_token_ids_and_empty_prompt(tiny_model_dir):

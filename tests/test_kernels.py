@@ -55,8 +55,8 @@ def test_smollm2_decodes_the_same_with_and_without_blocks(smollm2):
     plain = LLM("smollm2-135m", native_kernels=False, kv_cache_memory="64MiB", **FP32)
     assert not any(getattr(m, "blocks", None) is not None for m in plain.engine.runner.model.modules())
     prompts = ["The three primary colors are", "def fibonacci(n):"]
-    assert [o.token_ids for o in smollm2.generate(prompts, greedy(24), use_tqdm=False)] == \
-        [o.token_ids for o in plain.generate(prompts, greedy(24), use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in smollm2.generate(prompts, greedy(24), use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(24), use_tqdm=False)]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])

@@ -18,7 +18,7 @@ LAYOUTS = ["float32", "int8", "int4", "kivi2"]
 def check_invariants(engine) -> None:
     kv = engine.kv_manager
     owners: dict[int, int] = {}
-    for seq in engine.sequences.values():
+    for seq in (s for seqs in engine.requests.values() for s in seqs):
         assert len({len(t) for t in seq.block_tables}) == 1
         for block_id in (b for table in seq.block_tables for b in table):
             owners[block_id] = owners.get(block_id, 0) + 1
@@ -34,7 +34,7 @@ def check_invariants(engine) -> None:
     assert not kv.residual or not kv.residual.cached  # float residual blocks are never shared
 
 
-request = st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(1, 12), st.integers(0, 4))
+request = st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(1, 12), st.integers(0, 4), st.integers(1, 3))
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +57,15 @@ def engines(tiny_model_dir_d32):
        abort_at=st.lists(st.integers(0, 30), max_size=3))
 def test_random_workloads_never_leak_or_deadlock(engines, num_blocks, budget, mode, prefix, layout, requests, abort_at):
     engine = engines(num_blocks, budget, mode, prefix, layout)
-    pending = list(requests)  # (prefix index or 2 for none, extra tokens, max_tokens, arrival step)
+    pending = list(requests)  # (prefix index or 2 for none, extra tokens, max_tokens, arrival step, n)
     ids, finished, step = [], set(), 0
     while pending or engine.has_unfinished_requests():
         for item in [r for r in pending if r[3] <= step]:
             pending.remove(item)
-            which, extra, max_tokens, _ = item
+            which, extra, max_tokens, _, n = item
             prompt = (PREFIXES[which] if which < 2 else []) + [100 + (step * 7 + i) % 100 for i in range(extra)]
             try:
-                ids.append(engine.add_request(prompt, greedy(max_tokens)))
+                ids.append(engine.add_request(prompt, greedy(max_tokens, n=n)))
             except KVServeError:
                 assert len(prompt) + max_tokens > engine.max_request_tokens  # only a request that cannot fit is refused
         if step in abort_at and ids:
@@ -77,4 +77,4 @@ def test_random_workloads_never_leak_or_deadlock(engines, num_blocks, budget, mo
     kv = engine.kv_manager
     assert kv.pool.num_used == 0 and all(b.ref_count == 0 for b in kv.pool.blocks)
     assert not kv.residual or kv.residual.num_used == 0
-    assert not engine.sequences
+    assert not engine.requests

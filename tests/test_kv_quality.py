@@ -17,9 +17,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Explain photosynthe
 
 
 def test_int8_greedy_equals_float32(smollm2):
-    reference = [o.token_ids for o in smollm2.generate(PROMPTS, greedy(48), use_tqdm=False)]
+    reference = [o.outputs[0].token_ids for o in smollm2.generate(PROMPTS, greedy(48), use_tqdm=False)]
     int8 = LLM("smollm2-135m", kv_cache_dtype="int8", kv_cache_memory="64MiB", **FP32)
-    assert [o.token_ids for o in int8.generate(PROMPTS, greedy(48), use_tqdm=False)] == reference
+    assert [o.outputs[0].token_ids for o in int8.generate(PROMPTS, greedy(48), use_tqdm=False)] == reference
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ def test_bf16_matmuls_track_fp32_on_smollm2(smollm2):
     bf16 = LLM("smollm2-135m", matmul_dtype="bfloat16", kv_cache_memory="64MiB")
     prompt = smollm2.engine.tokenize(smollm2.apply_chat_template(
         [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_special_tokens=False)
-    answer = smollm2.generate(prompt, greedy(64), use_tqdm=False)[0].token_ids
+    answer = smollm2.generate(prompt, greedy(64), use_tqdm=False)[0].outputs[0].token_ids
     exact, approx = (prefill_logits(llm, prompt + answer).float() for llm in (smollm2, bf16))
     logp, logq = exact.log_softmax(-1), approx.log_softmax(-1)
     kl = (logp.exp() * (logp - logq)).sum(-1)

@@ -42,7 +42,7 @@ def step_logits(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[list[int]
     engine.add_request(prompt, greedy(new_tokens))
     while engine.has_unfinished_requests():
         for out in engine.step():
-            tokens += out.new_token_ids
+            tokens += out.outputs[0].new_token_ids
             logits.append(engine.runner.last_logits[0].clone())
     return tokens, torch.stack(logits)
 

@@ -12,43 +12,43 @@ PROMPT = "Once upon a time"
 
 def test_seed_reproducible_and_different_seeds_differ(smollm2):
     params = [SamplingParams(temperature=1.0, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True) for s in (7, 7, 8)]
-    a, b, c = (smollm2.generate(PROMPT, p, use_tqdm=False)[0].token_ids for p in params)
+    a, b, c = (smollm2.generate(PROMPT, p, use_tqdm=False)[0].outputs[0].token_ids for p in params)
     assert a == b
     assert a != c
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(smollm2):
-    expected = smollm2.generate(PROMPT, greedy(16), use_tqdm=False)[0].token_ids
+    expected = smollm2.generate(PROMPT, greedy(16), use_tqdm=False)[0].outputs[0].token_ids
     for params in (SamplingParams(temperature=1.5, top_k=1, max_tokens=16, ignore_eos=True, seed=1),
                    SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=16, ignore_eos=True, seed=2)):
-        assert smollm2.generate(PROMPT, params, use_tqdm=False)[0].token_ids == expected
+        assert smollm2.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
 def test_max_tokens_and_length_reason(smollm2):
     out = smollm2.generate(PROMPT, greedy(5), use_tqdm=False)[0]
-    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
 
 
 def test_stop_string_cuts_text(smollm2):
-    full = smollm2.generate(PROMPT, greedy(24), use_tqdm=False)[0].text
+    full = smollm2.generate(PROMPT, greedy(24), use_tqdm=False)[0].outputs[0].text
     stop = full.split()[3]
     out = smollm2.generate(PROMPT, greedy(24, stop=[stop]), use_tqdm=False)[0]
-    assert out.finish_reason == "stop"
-    assert out.text == full[: full.index(stop)]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == full[: full.index(stop)]
 
 
 def test_stop_token_id(smollm2):
-    full = smollm2.generate(PROMPT, greedy(12), use_tqdm=False)[0].token_ids
+    full = smollm2.generate(PROMPT, greedy(12), use_tqdm=False)[0].outputs[0].token_ids
     out = smollm2.generate(PROMPT, greedy(12, stop_token_ids=[full[4]]), use_tqdm=False)[0]
-    assert out.token_ids == full[: full.index(full[4]) + 1] and out.finish_reason == "stop"
+    assert out.outputs[0].token_ids == full[: full.index(full[4]) + 1] and out.outputs[0].finish_reason == "stop"
 
 
 def test_eos_stops_unless_ignored(smollm2):
     messages = [{"role": "user", "content": "Say hi."}]
     stopped = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=64))[0]
-    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] in smollm2.engine.eos_token_ids
-    ignored = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=len(stopped.token_ids) + 3, ignore_eos=True))[0]
-    assert ignored.finish_reason == "length" and len(ignored.token_ids) == len(stopped.token_ids) + 3
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].token_ids[-1] in smollm2.engine.eos_token_ids
+    ignored = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=len(stopped.outputs[0].token_ids) + 3, ignore_eos=True))[0]
+    assert ignored.outputs[0].finish_reason == "length" and len(ignored.outputs[0].token_ids) == len(stopped.outputs[0].token_ids) + 3
 
 
 def test_logprobs_equal_transformers(smollm2):
@@ -60,10 +60,10 @@ def test_logprobs_equal_transformers(smollm2):
 
     out = smollm2.generate(PROMPT, SamplingParams(temperature=0.7, seed=1, max_tokens=6, logprobs=3), use_tqdm=False)[0]
     hf = AutoModelForCausalLM.from_pretrained(converted_dir(resolve_model_path("smollm2-135m")), dtype=torch.float32).eval()
-    ids = out.prompt_token_ids + out.token_ids
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
     with torch.no_grad():
         expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)[len(out.prompt_token_ids) - 1: -1]
-    for lp, token, row in zip(out.logprobs, out.token_ids, expected):
+    for lp, token, row in zip(out.outputs[0].logprobs, out.outputs[0].token_ids, expected):
         assert lp.logprob == pytest.approx(row[token].item(), abs=1e-4)
         values, top = row.topk(3)
         assert list(lp.top) == top.tolist() and list(lp.top.values()) == pytest.approx(values.tolist(), abs=1e-4)
@@ -71,8 +71,8 @@ def test_logprobs_equal_transformers(smollm2):
 
 def test_logprobs_are_reported(smollm2):
     out = smollm2.generate(PROMPT, greedy(4, logprobs=3), use_tqdm=False)[0]
-    assert len(out.logprobs) == 4
-    for lp, token in zip(out.logprobs, out.token_ids):
+    assert len(out.outputs[0].logprobs) == 4
+    for lp, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids):
         assert lp.token_id == token and lp.logprob <= 0 and len(lp.top) == 3
         assert max(lp.top.values()) == pytest.approx(lp.logprob, abs=1e-5)  # greedy picks the top token
 
@@ -87,6 +87,6 @@ def test_invalid_sampling_values(bad):
 
 def test_streaming_yields_each_token(smollm2):
     outs = list(smollm2.stream(PROMPT, greedy(6)))
-    assert [len(o.token_ids) for o in outs] == [1, 2, 3, 4, 5, 6]
-    assert "".join(o.new_text for o in outs) == outs[-1].text
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5, 6]
+    assert "".join(o.outputs[0].new_text for o in outs) == outs[-1].outputs[0].text
     assert outs[-1].finished and not outs[0].finished

@@ -14,14 +14,14 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def alone(smollm2):
-    return [smollm2.generate(p, greedy(NEW), use_tqdm=False)[0].token_ids for p in PROMPTS]
+    return [smollm2.generate(p, greedy(NEW), use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
 
 
 def _run(llm: LLM) -> list[list[int]]:
     outs = llm.generate(PROMPTS, greedy(NEW), use_tqdm=False)
     engine = llm.engine
     assert engine.kv_manager.pool.num_used == 0 and all(b.ref_count == 0 for b in engine.kv_manager.pool.blocks)
-    return [o.token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_batched_equals_alone(smollm2, alone):
@@ -49,7 +49,7 @@ def test_prefix_cached_equals_alone(smollm2, alone):
     first = smollm2.generate(PROMPTS[1], greedy(NEW), use_tqdm=False)[0]
     again = smollm2.generate(PROMPTS[1], greedy(NEW), use_tqdm=False)[0]
     assert again.metrics.cached_tokens >= 32
-    assert first.token_ids == again.token_ids == alone[1]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == alone[1]
 
 
 def test_request_larger_than_pool_fails_and_others_continue(tiny_model_dir):
@@ -64,7 +64,7 @@ def test_request_larger_than_pool_fails_and_others_continue(tiny_model_dir):
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert sorted(done) == sorted(ids) and all(len(o.token_ids) == 6 for o in done.values())
+    assert sorted(done) == sorted(ids) and all(len(o.outputs[0].token_ids) == 6 for o in done.values())
     assert engine.kv_manager.pool.num_used == 0
 
 
@@ -75,7 +75,7 @@ def test_int8_kv_scheduled_equals_alone(options):
     hold them too, but turn the last-bit differences of batched matmuls into a step of their grid, which can flip a
     near-tie; swapped blocks are compared byte for byte in tests/test_kv_formats.py.)"""
     alone_llm = LLM("smollm2-135m", kv_cache_dtype="int8", kv_cache_memory="64MiB", **FP32)
-    alone = [alone_llm.generate(p, greedy(NEW), use_tqdm=False)[0].token_ids for p in PROMPTS]
+    alone = [alone_llm.generate(p, greedy(NEW), use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     llm = LLM("smollm2-135m", kv_cache_dtype="int8", enable_prefix_caching=False, **{"kv_cache_memory": "64MiB", **options}, **FP32)
     assert _run(llm) == alone
     if "preemption_mode" in options:

@@ -81,6 +81,18 @@ def test_n_greater_than_one_and_seed(client):
     assert a.usage.completion_tokens == 30
 
 
+def test_n_choices_fork_one_prefill(server):
+    """n = 4 prefills the prompt once: the other three share its full blocks (usage.forked_blocks), and each
+    choice i is what a single request with seed + i gives."""
+    body = {"model": "test-model", "prompt": LONG_SYSTEM, "max_tokens": 8, "temperature": 0.9, "seed": 40, "ignore_eos": True}
+    forked = httpx.post(f"{server}/v1/completions", json={**body, "n": 4}, timeout=60).json()
+    blocks = len(httpx.post(f"{server}/tokenize", json={"prompt": LONG_SYSTEM}).json()["tokens"]) // 16
+    assert forked["usage"]["forked_blocks"] == 3 * blocks > 0
+    singles = [httpx.post(f"{server}/v1/completions", json={**body, "seed": 40 + i}, timeout=60).json()["choices"][0]["text"]
+               for i in range(4)]
+    assert [c["text"] for c in sorted(forked["choices"], key=lambda c: c["index"])] == singles
+
+
 def test_stop_strings(client):
     full = client.completions.create(model="test-model", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
     stop = full.choices[0].text.strip().split(",")[1].strip()

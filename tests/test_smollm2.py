@@ -22,13 +22,13 @@ def test_greedy_matches_transformers_from_gguf(smollm2):
         with torch.no_grad():
             expected = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                    pad_token_id=0, eos_token_id=None)[0, len(ids):]
-        assert out.token_ids == expected.tolist(), (out.text, smollm2.tokenizer.decode(expected))
+        assert out.outputs[0].token_ids == expected.tolist(), (out.outputs[0].text, smollm2.tokenizer.decode(expected))
 
 
 def test_chat_answer_is_sensible(smollm2):
     out = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(temperature=0, max_tokens=40))[0]
-    assert "Paris" in out.text
-    assert out.finish_reason == "stop"
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
     m = out.metrics
-    assert m.ttft > 0 and m.num_output_tokens == len(out.token_ids) and m.kv_bytes > 0
+    assert m.ttft > 0 and m.num_output_tokens == len(out.outputs[0].token_ids) and m.kv_bytes > 0

@@ -13,8 +13,8 @@ SEA = "Write one sentence about the sea:"  # word-sized tokens
 @pytest.fixture(scope="module")
 def reference(smollm2):
     out = smollm2.generate(SEA, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
-    ends = [len(smollm2.tokenizer.decode(out.token_ids[: i + 1])) for i in range(len(out.token_ids))]
-    return out.text, ends  # where each token's text ends in the output
+    ends = [len(smollm2.tokenizer.decode(out.outputs[0].token_ids[: i + 1])) for i in range(len(out.outputs[0].token_ids))]
+    return out.outputs[0].text, ends  # where each token's text ends in the output
 
 
 def _stop(case: str, text: str, ends: list[int]) -> tuple[str, str]:
@@ -30,10 +30,10 @@ def _stop(case: str, text: str, ends: list[int]) -> tuple[str, str]:
 def _streamed(llm, prompt: str, params: SamplingParams) -> tuple[str, str]:
     parts, last = [], None
     for out in llm.stream(prompt, params):
-        parts.append(out.new_text)
-        assert out.text == "".join(parts)  # every output's text is what the stream has shown
+        parts.append(out.outputs[0].new_text)
+        assert out.outputs[0].text == "".join(parts)  # every output's text is what the stream has shown
         last = out
-    return "".join(parts), last.text
+    return "".join(parts), last.outputs[0].text
 
 
 @pytest.mark.parametrize("case", ["inside one token", "across two tokens", "across three tokens", "at the first token",
@@ -41,8 +41,8 @@ def _streamed(llm, prompt: str, params: SamplingParams) -> tuple[str, str]:
 def test_streamed_text_equals_finished_text(smollm2, reference, case):
     prompt, stop = _stop(case, *reference)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
-    text = smollm2.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0].text
-    whole = smollm2.generate(prompt, params, use_tqdm=False)[0].text
+    text = smollm2.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    whole = smollm2.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
     streamed, final = _streamed(smollm2, prompt, params)
     assert stop in text
     assert whole == streamed == final == text[: text.find(stop)]

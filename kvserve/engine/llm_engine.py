@@ -55,7 +55,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self.sequences: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # a request's completions, by index
         self.output = OutputProcessor(self.kv_manager, self.tokenizer, eos, self.max_request_tokens, self._finish)
         self._ids = itertools.count()
         self.last_step = StepStats(0, 0, 0.0)
@@ -90,16 +90,22 @@ class LLMEngine:
         token_ids = self.tokenize(prompt, add_special_tokens)
         self.check_request(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.sequences:
+        if request_id in self.requests:
             raise KVServeError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt if isinstance(prompt, str) else prompt_text, token_ids, params, len(self.layout.groups))
-        self.sequences[request_id] = seq
-        self.output.add(seq)
-        self.scheduler.add(seq)
+        text, groups = prompt if isinstance(prompt, str) else prompt_text, len(self.layout.groups)
+        first = Sequence(request_id, text, token_ids, params, groups)
+        # The other completions wait for the first's prefill, then fork from its blocks.
+        first.children = [Sequence(request_id, text, token_ids, params, groups, i, first.metrics) for i in range(1, params.n)]
+        self.requests[request_id] = [first, *first.children]
+        for seq in self.requests[request_id]:
+            self.output.add(seq)
+        self.scheduler.add(first)
         return request_id
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         params.validate()
+        if params.n > 1 and self.config.scheduler == "static":
+            raise KVServeError("the static baseline runs one completion per request (n = 1)")
         limit, vocab = self.max_request_tokens, self.checkpoint.config.vocab_size
         if not token_ids:
             raise KVServeError("the prompt is empty")
@@ -114,13 +120,13 @@ class LLMEngine:
                                f"{params.max_tokens} new ones exceed the limit of {limit} tokens per request")
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.sequences.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-        self.output.drop(request_id)
+        for seq in self.requests.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            self.output.drop(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one forward pass; returns an output for each request that got a token."""
@@ -129,20 +135,50 @@ class LLMEngine:
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests pending"
             return []
         started = time.perf_counter()
-        rows, sampled = self.runner.execute(batch)
+        sampled_seqs, sampled = self.runner.execute(batch)
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
         self.output.record_computed(batch)
+        self.runner.copy_blocks(self._fork(sampled_seqs))
         self.runner.pack(self.kv_manager.pack_aged(batch.seqs))  # kivi2: before finished requests free their blocks
-        outputs = self.output.process(batch, rows, sampled)
+        touched = list(dict.fromkeys(seq.request_id for seq in sampled_seqs))
+        for request_id in touched:  # measured while every completion still holds its blocks
+            self.requests[request_id][0].metrics.kv_bytes = self.kv_manager.kv_bytes(self.requests[request_id])
+        deltas = self.output.process(sampled_seqs, sampled)
+        outputs = [self._request_output(request_id, deltas) for request_id in touched]
         if not self.config.use_kv_cache:
             self._drop_kv(batch)
         return outputs
 
+    def _fork(self, sampled: list[Sequence]) -> list[tuple[int, int]]:
+        """Completions that just sampled their first token from the prompt's logits take its blocks; returns the
+        blocks to copy. One the pool has no room for waits to prefill on its own (the prefix cache helps it)."""
+        copies = []
+        for seq in sampled:
+            if seq.index == 0 or seq.num_computed_tokens:
+                continue
+            first = self.requests[seq.request_id][0]
+            first.children = []
+            pairs = self.kv_manager.fork(first, seq)
+            if pairs is None:
+                self.scheduler.add(seq)
+                continue
+            copies += pairs
+            seq.metrics.forked_blocks += seq.num_shared_tokens // self.config.block_size * len(self.layout.groups)
+            self.scheduler.add_running(seq)
+        return copies
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        self.sequences.pop(seq.request_id, None)
-        self.output.drop(seq.request_id)
+        self.output.drop(seq)
+
+    def _request_output(self, request_id: str, deltas: dict) -> RequestOutput:
+        seqs = self.requests[request_id]
+        out = self.output.request_output(seqs, deltas)
+        if out.finished:
+            seqs[0].metrics.finished_time = time.perf_counter()
+            del self.requests[request_id]
+        return out
 
     def _drop_kv(self, batch: ScheduledBatch) -> None:
         """no_cache mode: forget every K/V, so the next step recomputes the whole sequence."""

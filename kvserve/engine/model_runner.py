@@ -11,6 +11,7 @@ from kvserve.attention.cpu_native import NativeCPUBackend
 from kvserve.attention.sdpa import SDPABackend
 from kvserve.config import EngineConfig
 from kvserve.engine.scheduler import ScheduledBatch
+from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
 from kvserve.kernels import native_ops
 from kvserve.kv.cache import KVCache
@@ -46,9 +47,9 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput | None]:
-        """Move blocks, then run the batch; returns which of its sequences sampled (by position in the batch)
-        and their tokens."""
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Move blocks, then run the batch; returns the sequences that sampled and their tokens (a prompt's
+        waiting completions sample from its logits too, in the step that finishes it)."""
         self.move_blocks(batch)
         if not batch.seqs:
             return [], None
@@ -56,17 +57,18 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.ctx)
         logits = self.model.compute_logits(hidden[inputs.logits_index])
         self.last_logits = logits
-        seqs = [batch.seqs[i] for i in inputs.sampling_rows]
+        rows = [(seq, i) for i, row in enumerate(inputs.sampling_rows) for seq in [batch.seqs[row], *batch.seqs[row].children]]
+        seqs = [seq for seq, _ in rows]
         sampling = SamplingBatch(
             [s.params for s in seqs], [s.generator for s in seqs],
             [s.token_ids[: s.num_prompt_tokens] for s in seqs], [s.output_token_ids for s in seqs],
         )
-        sampled = sample(logits.cpu(), sampling)
+        sampled = sample(logits.cpu()[[i for _, i in rows]], sampling)
         if inputs.prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[torch.cat([index for _, index, _ in inputs.prompt_rows])]).cpu()
             for (row, index, targets), part in zip(inputs.prompt_rows, prompt_logits.split([len(i) for _, i, _ in inputs.prompt_rows])):
-                sampled.prompt[row] = score_prompt(part, targets, batch.seqs[row].params)
-        return inputs.sampling_rows, sampled
+                sampled.prompt[batch.seqs[row]] = score_prompt(part, targets, batch.seqs[row].params)
+        return seqs, sampled
 
     def move_blocks(self, batch: ScheduledBatch) -> None:
         for seq, block_ids in batch.swap_out:
@@ -74,6 +76,12 @@ class ModelRunner:
         for seq, block_ids in batch.swap_in:
             self.kv_cache.copy_in(block_ids, seq.swapped_kv)
             seq.swapped_kv = None
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks (a forked completion's partly filled last block), (source, copy) pairs."""
+        if pairs:
+            with torch.inference_mode():
+                self.kv_cache.copy_blocks(pairs)
 
     def pack(self, pairs: list[tuple[int, int]]) -> None:
         """kivi2: quantize residual blocks into main blocks, (residual id, main id) pairs."""

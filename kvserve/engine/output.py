@@ -12,7 +12,7 @@ from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.engine.sequence import Sequence
 from kvserve.kv.manager import KVManager
 from kvserve.layers.sampler import SamplerOutput
-from kvserve.outputs import RequestOutput, TokenLogprob
+from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 
 class OutputProcessor:
@@ -20,14 +20,14 @@ class OutputProcessor:
                  finish: Callable[[Sequence, str], None]):
         self.kv, self.tokenizer, self.eos_token_ids = kv, tokenizer, eos_token_ids
         self.max_request_tokens, self.finish = max_request_tokens, finish
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.detokenizers: dict[Sequence, IncrementalDetokenizer] = {}
 
     def add(self, seq: Sequence) -> None:
         if self.tokenizer is not None:
-            self.detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.token_ids)
+            self.detokenizers[seq] = IncrementalDetokenizer(self.tokenizer, seq.token_ids)
 
-    def drop(self, request_id: str) -> None:
-        self.detokenizers.pop(request_id, None)
+    def drop(self, seq: Sequence) -> None:
+        self.detokenizers.pop(seq, None)
 
     def record_computed(self, batch: ScheduledBatch) -> None:
         """The step's tokens now have K/V in the cache: count them and share the blocks they filled."""
@@ -35,26 +35,26 @@ class OutputProcessor:
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
 
-    def process(self, batch: ScheduledBatch, rows: list[int], sampled: SamplerOutput | None) -> list[RequestOutput]:
+    def process(self, seqs: list[Sequence], sampled: SamplerOutput | None) -> dict[Sequence, tuple[str, list[int]]]:
+        """Append each sequence's sampled token; returns what each one's text and tokens gained."""
         if sampled is None:
-            return []
-        for row, scored in sampled.prompt.items():
-            seq = batch.seqs[row]
+            return {}
+        for seq, scored in sampled.prompt.items():
             targets = seq.token_ids[len(seq.prompt_logprobs):]
             seq.prompt_logprobs += [TokenLogprob(t, lp, dict(zip(ids, values))) for t, lp, ids, values in
                                     zip(targets, scored.logprobs.tolist(), scored.top_ids.tolist(), scored.top_logprobs.tolist())]
             if scored.distributions is not None:
                 seq.prompt_distributions.append(scored.distributions)
         # max_tokens 0 scores the prompt only: its sampled token is dropped
-        return [self.append(batch.seqs[row], [token] if batch.seqs[row].params.max_tokens else [], sampled.logprobs, [i])
-                for i, (row, token) in enumerate(zip(rows, sampled.token_ids))]
+        return {seq: self.append(seq, [token] if seq.params.max_tokens else [], sampled.logprobs, [i])
+                for i, (seq, token) in enumerate(zip(seqs, sampled.token_ids))}
 
-    def append(self, seq: Sequence, tokens: list[int], logprobs: torch.Tensor | None, logprob_rows: list[int]) -> RequestOutput:
-        """Append tokens up to the first that finishes the request; the output carries the new text."""
+    def append(self, seq: Sequence, tokens: list[int], logprobs: torch.Tensor | None, logprob_rows: list[int]) -> tuple[str, list[int]]:
+        """Append tokens up to the first that finishes the sequence; returns the text shown and tokens added."""
         now, metrics = time.perf_counter(), seq.metrics
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
-        detokenizer, reason, new = self.detokenizers.get(seq.request_id), None, []
+        detokenizer, reason, new = self.detokenizers.get(seq), None, []
         for token, row in zip(tokens, logprob_rows):
             seq.token_ids.append(token)
             new.append(token)
@@ -66,27 +66,37 @@ class OutputProcessor:
                 break
         if not tokens:
             reason = "length"
-        metrics.kv_bytes = self.kv.kv_bytes(seq)
-        if reason is not None:
-            metrics.finished_time = now
-            self.finish(seq, reason)
         # A stream holds back text that could still turn into a stop string, so what it shows is always what
         # the finished request's text starts with.
         shown = seq.text if reason is not None else seq.text[: len(seq.text) - _stop_prefix_length(seq.text, seq.params.stop)]
         delta, seq.num_shown_chars = shown[seq.num_shown_chars:], len(shown)
-        distributions = torch.cat(seq.prompt_distributions) if reason is not None and seq.prompt_distributions else None
-        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], shown,
-                             seq.output_token_ids, seq.finish_reason, metrics, seq.logprobs, delta, new,
-                             seq.prompt_logprobs, distributions)
+        if reason is not None:
+            self.finish(seq, reason)
+        return delta, new
+
+    def request_output(self, seqs: list[Sequence], deltas: dict[Sequence, tuple[str, list[int]]]) -> RequestOutput:
+        """The request's completions as they stand, each with what this step added to it."""
+        outputs = [CompletionOutput(seq.index, seq.text[:seq.num_shown_chars], seq.output_token_ids,
+                                    None if seq.logprobs is None else sum(lp.logprob for lp in seq.logprobs), seq.logprobs,
+                                    seq.finish_reason, seq.stop_reason, *deltas.get(seq, ("", [])))
+                   for seq in seqs]
+        first, finished = seqs[0], all(o.finished for o in outputs)
+        distributions = torch.cat(first.prompt_distributions) if finished and first.prompt_distributions else None
+        return RequestOutput(first.request_id, first.prompt, first.token_ids[: first.num_prompt_tokens], outputs, finished,
+                             first.metrics, first.prompt_logprobs, distributions)
 
     def _check_stop(self, seq: Sequence, token: int, text: str) -> tuple[str, str | None]:
         """The output text (cut before a stop string) and the finish reason, if the sequence is done."""
         params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return text, "stop"
+        if not params.ignore_eos and token in self.eos_token_ids:
             return text, "stop"
         for stop in params.stop:
             at = text.find(stop, max(0, len(seq.text) - len(stop) + 1))
             if at != -1:
+                seq.stop_reason = stop
                 return text[:at], "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_request_tokens:
             return text, "length"

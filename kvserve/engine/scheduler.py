@@ -61,6 +61,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A completion forked from its prompt's blocks: it runs from the next step, no prefill of its own."""
+        seq.status = SequenceStatus.RUNNING
+        seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or time.perf_counter()
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

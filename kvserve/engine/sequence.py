@@ -16,16 +16,19 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """One request's tokens and where its KV lives.
+    """One completion of a request: its tokens and where its KV lives.
 
     `num_computed_tokens` tokens have K/V in the cache (in the blocks of `block_tables`, one table per
     layer group); the rest of `token_ids` still has to go through the model. A finished prefill samples a
-    token, which is appended.
+    token, which is appended. With n > 1, completion 0 prefills the prompt and the others wait in its
+    `children` until then, to fork from its blocks.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 num_kv_groups: int = 1):
-        self.request_id, self.prompt, self.params = request_id, prompt, params
+                 num_kv_groups: int = 1, index: int = 0, metrics: RequestMetrics | None = None):
+        self.request_id, self.prompt, self.params, self.index = request_id, prompt, params, index
+        self.children: list[Sequence] = []
+        self.num_shared_tokens = 0  # a forked completion: prompt tokens in blocks it shares with completion 0
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -37,18 +40,19 @@ class Sequence:
         self.swapped_kv: dict | None = None  # the swapped-out values, held by the model runner
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
-        self.error: str | None = None
+        self.stop_reason: int | str | None = None
         self.text = ""
         self.num_shown_chars = 0  # of text, already in an output's new_text
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # one entry per prompt token scored so far; the first token has nothing before it
         self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self.prompt_distributions: list[torch.Tensor] = []  # SamplingParams.prompt_distributions, chunk by chunk
-        self.metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_token_ids))
+        # one per request: its completions share it
+        self.metrics = metrics or RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_token_ids))
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+            self.generator.manual_seed(params.seed + index if params.seed is not None else torch.seed())
 
     @property
     def num_tokens(self) -> int:

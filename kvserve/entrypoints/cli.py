@@ -79,12 +79,12 @@ def stats_line(out: RequestOutput) -> str:
     prefilled = m.num_prompt_tokens - m.cached_tokens
     return (f"[{m.num_prompt_tokens} prompt tokens: {prefilled} prefilled, {m.cached_tokens} from cache | "
             f"{m.num_output_tokens} generated | TTFT {m.ttft * 1000:.0f} ms | decode {rate} | "
-            f"KV {m.kv_bytes / 2**20:.2f} MiB | finish: {out.finish_reason}]")
+            f"KV {m.kv_bytes / 2**20:.2f} MiB | finish: {out.outputs[0].finish_reason}]")
 
 
 def stream_answer(llm, prompt: str, params: SamplingParams, add_special_tokens: bool) -> RequestOutput:
     for out in llm.stream(prompt, params, add_special_tokens=add_special_tokens):
-        print(out.new_text, end="", flush=True)
+        print(out.outputs[0].new_text, end="", flush=True)
     print()
     return out
 
@@ -111,7 +111,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
             print(f">>> {text}")
         messages.append({"role": "user", "content": text})
         out = stream_answer(llm, llm.apply_chat_template(messages), params, add_special_tokens=False)
-        messages.append({"role": "assistant", "content": out.text})
+        messages.append({"role": "assistant", "content": out.outputs[0].text})
         print(stats_line(out), file=sys.stderr)
 
 

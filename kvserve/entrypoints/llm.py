@@ -11,7 +11,7 @@ from kvserve.errors import KVServeError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}
 Message = dict[str, str]
 
 
@@ -29,15 +29,15 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
                  use_tqdm: bool = True, add_special_tokens: bool = True) -> list[RequestOutput]:
-        """Run every prompt through the engine together; results come back in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Run every prompt through the engine together; results come back in input order, each with
+        `params.n` completions in `.outputs`."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
-        token_ids = [self.engine.tokenize(p, add_special_tokens) for p in prompts]
-        for ids in token_ids:  # reject a bad prompt before any work starts
+        parsed = [self._prompt(p, add_special_tokens) for p in prompts]
+        for ids, _ in parsed:  # reject a bad prompt before any work starts
             self.engine.check_request(ids, params)
-        ids = [self.engine.add_request(t, params, prompt_text=p if isinstance(p, str) else None)
-               for p, t in zip(prompts, token_ids)]
+        ids = [self.engine.add_request(t, params, prompt_text=text) for t, text in parsed]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
             prefill = decode = seconds = 0.0
@@ -51,10 +51,21 @@ class LLM:
                 bar.set_postfix_str(f"prefill {prefill / max(seconds, 1e-9):.0f} tok/s, decode {decode / max(seconds, 1e-9):.0f} tok/s", refresh=False)
         return [results[i] for i in ids]
 
+    def _prompt(self, prompt: Prompt, add_special_tokens: bool) -> tuple[list[int], str | None]:
+        """A prompt's token ids and text."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            if "prompt" in prompt:
+                return self.engine.tokenize(prompt["prompt"], add_special_tokens), prompt["prompt"]
+            raise KVServeError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return self.engine.tokenize(prompt, add_special_tokens), prompt if isinstance(prompt, str) else None
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                add_special_tokens: bool = True) -> Iterator[RequestOutput]:
-        """Yield the request's output after every token; the last one has finish_reason set."""
-        request_id = self.engine.add_request(prompt, params or SamplingParams(), add_special_tokens=add_special_tokens)
+        """Yield the request's output after every step that adds to it; the last one is finished."""
+        ids, text = self._prompt(prompt, add_special_tokens)
+        request_id = self.engine.add_request(ids, params or SamplingParams(), prompt_text=text)
         try:
             while True:
                 for out in self.engine.step():

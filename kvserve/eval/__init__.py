@@ -150,7 +150,7 @@ def _passkey(llm: LLM, prompts: list, lengths: list[int], depths: list[int]) -> 
     outs = llm.generate([p.token_ids for p in prompts], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     hits: dict[tuple[int, int], list[bool]] = {}
     for p, out in zip(prompts, outs):
-        hits.setdefault((p.length, p.depth), []).append(p.key in out.text)
+        hits.setdefault((p.length, p.depth), []).append(p.key in out.outputs[0].text)
     table = {str(n): {str(d): sum(hits[n, d]) / len(hits[n, d]) for d in depths} for n in lengths}
     return {"passkey": table, "passkey_accuracy": sum(map(sum, hits.values())) / len(prompts)}
 

@@ -74,6 +74,14 @@ class KVCache:
                 for name, part in fmt.quantize_blocks(residual["data"].index_select(0, src)).items():
                     store[name].index_copy_(0, dst, part)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks within their pool: (source, destination) pairs (a forked completion's last block)."""
+        src, dst = (self._split([p[i] for p in pairs]) for i in (0, 1))
+        for tensors, s, d in ((self._main, src[0], dst[0]), (self._residual, src[1], dst[1])):
+            if len(s):
+                for t in tensors:
+                    t.index_copy_(0, d, t.index_select(0, s))
+
     def copy_out(self, block_ids: list[int]) -> list[torch.Tensor]:
         """The blocks' values copied to CPU memory (swap-out for preemption)."""
         main, residual = self._split(block_ids)

@@ -96,6 +96,28 @@ class KVManager:
                     self._register(seq, i)
         return packs
 
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Give `child` the parent's computed tokens: full blocks shared (ref counts), the partly filled last block
+        copied, since both will write into it (copy on write). Returns the (source, copy) blocks for the runner to
+        copy; None, changing nothing, if the pool has no block for the copy."""
+        full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        copies = []
+        if partial:
+            pool = self._pool_of(parent.block_tables[0][full])
+            if pool.num_free < self.num_groups:
+                return None
+            copies = [(table[full], pool.allocate()) for table in parent.block_tables]
+        for table, child_table in zip(parent.block_tables, child.block_tables):
+            for block_id in table[:full]:
+                self._pool_of(block_id).take(block_id)
+            child_table.extend(table[:full])
+        for child_table, (_, copy) in zip(child.block_tables, copies):
+            child_table.append(copy)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_hashed_blocks, child.num_packed_blocks = parent.num_hashed_blocks, parent.num_packed_blocks
+        child.num_computed_tokens, child.num_shared_tokens = parent.num_computed_tokens, full * self.block_size
+        return copies
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are full of computed tokens in the prefix cache (kivi2: at packing)."""
         full = seq.num_computed_tokens // self.block_size
@@ -140,11 +162,15 @@ class KVManager:
         seq.swapped_kinds = None
         return ids
 
-    def kv_bytes(self, seq: Sequence) -> int:
-        """Bytes the sequence's computed tokens take in the cache."""
-        packed = min(seq.num_packed_blocks * self.block_size, seq.num_computed_tokens) if self.residual else seq.num_computed_tokens
-        layout = self.layout
-        return int(packed * layout.bytes_per_token + (seq.num_computed_tokens - packed) * layout.residual_bytes_per_token)
+    def kv_bytes(self, seqs: list[Sequence]) -> int:
+        """Bytes a request's computed tokens take in the cache (blocks its completions share, once)."""
+        total = 0.0
+        for seq in seqs:
+            computed = seq.num_computed_tokens
+            own = computed - min(seq.num_shared_tokens, computed)
+            residual = min(own, computed - min(seq.num_packed_blocks * self.block_size, computed)) if self.residual else 0
+            total += (own - residual) * self.layout.bytes_per_token + residual * self.layout.residual_bytes_per_token
+        return int(total)
 
     def usage(self) -> dict[str, int]:
         """Blocks and bytes of the pools, now."""

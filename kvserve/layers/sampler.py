@@ -32,7 +32,7 @@ class PromptLogprobs:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: torch.Tensor | None  # [B, V] raw model log-probabilities, when any row asked for logprobs
-    prompt: dict[int, PromptLogprobs] = field(default_factory=dict)  # by the sequence's row in the batch
+    prompt: dict = field(default_factory=dict)  # Sequence -> PromptLogprobs, for those scoring their prompt
 
 
 def score_prompt(logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams) -> PromptLogprobs:

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvserve.engine.detokenizer import token_bytes, token_text
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import KVServeError
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from kvserve.server.metrics import Metrics
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
@@ -120,18 +120,17 @@ class Server:
 
     def submit(self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
                prefix: str, prompt_logprobs: int | None = None) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
-        """Validate every (prompt, choice) before any starts, then start them; choice index = prompt * n + j."""
-        limit = self.engine.max_request_tokens
-        jobs = []
-        for i, ids in enumerate(prompts):
+        """Validate every prompt before any starts, then start one engine request per prompt, each with n
+        completions (they share its prefill); choice index = prompt * n + completion."""
+        limit, jobs = self.engine.max_request_tokens, []
+        for ids in prompts:
             tokens = max_tokens if max_tokens is not None else max(1, limit - len(ids))
-            for j in range(req.n):
-                params = req.sampling_params(tokens, logprobs, j, prompt_logprobs)
-                self.engine.check_request(ids, params)
-                jobs.append((ids, params))
-        if len(jobs) > self.async_engine.max_waiting:  # could never fit, however idle the server: not a 503
+            params = req.sampling_params(tokens, logprobs, prompt_logprobs)
+            self.engine.check_request(ids, params)
+            jobs.append((ids, params))
+        if len(prompts) * req.n > self.async_engine.max_waiting:  # could never fit, however idle the server: not a 503
             raise APIError(400, f"one request may carry at most {self.async_engine.max_waiting} prompts x n; this one has "
-                                f"{len(prompts)} prompt(s) x n={req.n} = {len(jobs)}")
+                                f"{len(prompts)} prompt(s) x n={req.n} = {len(prompts) * req.n}")
         self.async_engine.check_capacity(len(jobs))
         request_id = new_id(prefix)
         return request_id, [self.async_engine.generate(f"{request_id}-{k}", ids, params) for k, (ids, params) in enumerate(jobs)]
@@ -145,8 +144,8 @@ class Server:
         if req.stream:
             return self._stream(self._completion_chunks(req, request_id, streams, prompt_tokens, texts))
         finals = await self._collect(streams)
-        choices = [{"index": i, **self._completion_body(req, out, texts[i // req.n], out.text, out.token_ids, out.logprobs, 0, req.echo),
-                    "finish_reason": out.finish_reason} for i, out in enumerate(finals)]
+        choices = [{"index": i * req.n + c.index, **self._completion_body(req, out, texts[i], c.text, c.token_ids, c.logprobs, 0, req.echo),
+                    "finish_reason": c.finish_reason} for i, out in enumerate(finals) for c in out.outputs]
         return envelope("text_completion", request_id, self.model_name, choices, usage=usage(prompt_tokens, finals))
 
     def _completion_body(self, req: CompletionRequest, out: RequestOutput, prompt_text: str, text: str, token_ids: list[int],
@@ -166,9 +165,9 @@ class Server:
         if req.stream:
             return self._stream(self._chat_chunks(req, request_id, streams, len(ids)))
         finals = await self._collect(streams)
-        choices = [{"index": i, "message": {"role": "assistant", "content": out.text}, "finish_reason": out.finish_reason,
-                    "logprobs": chat_logprobs(out.logprobs, self.decode, self.raw) if out.logprobs is not None else None}
-                   for i, out in enumerate(finals)]
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+                    "logprobs": chat_logprobs(c.logprobs, self.decode, self.raw) if c.logprobs is not None else None}
+                   for c in finals[0].outputs]
         return envelope("chat.completion", request_id, self.model_name, choices, usage=usage(len(ids), finals))
 
     def _completion_prompts(self, prompt) -> tuple[list[list[int]], list[str]]:
@@ -193,17 +192,18 @@ class Server:
 
     async def _completion_chunks(self, req, request_id, streams, prompt_tokens, texts) -> AsyncIterator[str]:
         created, finals, extra, echoed = int(time.time()), [], _usage_field(req), set()
-        async for index, out in merge_or_error(streams):
-            if isinstance(out, dict):
-                yield sse(out)
+        async for update in choice_updates(streams, req.n):
+            if isinstance(update, dict):
+                yield sse(update)
                 break
+            index, c, out = update
             first, prompt_text = index not in echoed, texts[index // req.n]
             echoed.add(index)
-            new = out.new_token_ids
-            logprobs = out.logprobs[len(out.logprobs) - len(new):] if out.logprobs is not None else None
-            offset = len(prompt_text) * req.echo + len(out.text) - len(out.new_text)
-            body = self._completion_body(req, out, prompt_text, out.new_text, new, logprobs, offset, req.echo and first)
-            choice = {"index": index, **body, "finish_reason": out.finish_reason}
+            new = c.new_token_ids
+            logprobs = c.logprobs[len(c.logprobs) - len(new):] if c.logprobs is not None else None
+            offset = len(prompt_text) * req.echo + len(c.text) - len(c.new_text)
+            body = self._completion_body(req, out, prompt_text, c.new_text, new, logprobs, offset, req.echo and first)
+            choice = {"index": index, **body, "finish_reason": c.finish_reason}
             yield sse(envelope("text_completion", request_id, self.model_name, [choice], created, **extra))
             finals += [out] if out.finished else []
         if extra:
@@ -217,22 +217,40 @@ class Server:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return sse(envelope("chat.completion.chunk", request_id, self.model_name, [choice], created, **extra))
 
-        for index in range(len(streams)):
+        for index in range(req.n):
             yield chunk(index, {"role": "assistant", "content": ""})
-        async for index, out in merge_or_error(streams):
-            if isinstance(out, dict):
-                yield sse(out)
+        async for update in choice_updates(streams, req.n):
+            if isinstance(update, dict):
+                yield sse(update)
                 break
-            logprobs = chat_logprobs(out.logprobs[-1:], self.decode, self.raw) if out.logprobs is not None else None
-            if out.new_text or logprobs:
-                yield chunk(index, {"content": out.new_text}, logprobs=logprobs)
-            if out.finished:
-                finals.append(out)
-                yield chunk(index, {}, out.finish_reason)
+            index, c, out = update
+            new = c.logprobs[len(c.logprobs) - len(c.new_token_ids):] if c.logprobs is not None else None
+            logprobs = chat_logprobs(new, self.decode, self.raw) if new else None
+            if c.new_text or logprobs:
+                yield chunk(index, {"content": c.new_text}, logprobs=logprobs)
+            if c.finished:
+                yield chunk(index, {}, c.finish_reason)
+            finals += [out] if out.finished else []
         if extra:
             yield sse(envelope("chat.completion.chunk", request_id, self.model_name, [], created,
                                usage=usage(prompt_tokens, finals)))
         yield sse("[DONE]")
+
+
+async def choice_updates(streams, n: int) -> AsyncIterator[tuple[int, CompletionOutput, RequestOutput] | dict]:
+    """Each completion's updates as its prompt's request streams: (choice index = prompt * n + completion,
+    the completion, its request's output); a failure becomes one OpenAI error payload."""
+    done = set()
+    async for i, out in merge_or_error(streams):
+        if isinstance(out, dict):
+            yield out
+            return
+        for c in out.outputs:
+            index = i * n + c.index
+            if index not in done and (c.new_token_ids or c.new_text or c.finished):
+                if c.finished:
+                    done.add(index)
+                yield index, c, out
 
 
 async def merge_or_error(streams) -> AsyncIterator[tuple[int, RequestOutput | dict]]:

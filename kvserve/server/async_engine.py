@@ -125,7 +125,7 @@ class AsyncEngine:
             except Exception as e:
                 self._send([(request_id, e)])
         elif kind == "abort":
-            if command[1] in self.engine.sequences:
+            if command[1] in self.engine.requests:
                 self._abort(command[1])
                 self.metrics.record_finished("abort")
                 self._update_gauges()
@@ -136,11 +136,11 @@ class AsyncEngine:
         now = time.perf_counter()
         for out in outputs:
             m = out.metrics
-            if m.num_output_tokens == 1:
+            if out.request_id not in self.recent.last_token:  # its first tokens
                 self.metrics.ttft.observe(m.ttft)
                 self.metrics.queue_time.observe(m.queue_time or 0.0)
                 self.recent.ttft.append(m.ttft)
-            elif out.request_id in self.recent.last_token:
+            else:
                 gap = now - self.recent.last_token[out.request_id]
                 self.metrics.itl.observe(gap)
                 self.recent.itl.append(gap)
@@ -148,10 +148,11 @@ class AsyncEngine:
             self.recent.token_times.append(now)
             if out.finished:
                 self.metrics.e2e.observe(m.e2e_latency)
-                self.metrics.record_finished(out.finish_reason)
+                for c in out.outputs:
+                    self.metrics.record_finished(c.finish_reason)
                 self.recent.last_token.pop(out.request_id, None)
         self._send([(out.request_id, out) for out in outputs])
-        self.metrics.generation_tokens.inc(len(outputs))
+        self.metrics.generation_tokens.inc(sum(len(c.new_token_ids) for out in outputs for c in out.outputs))
         self.metrics.record_stats(self.engine.scheduler.stats)
         self._update_gauges()
 
@@ -167,7 +168,7 @@ class AsyncEngine:
             self.usage_history.append((now, share))
 
     def _fail_all(self, error: Exception) -> None:
-        failed = list(self.engine.sequences)
+        failed = list(self.engine.requests)
         for request_id in failed:
             self._abort(request_id)
         self._send([(r, EngineDeadError(f"the engine failed on this request's step: {error}")) for r in failed])
@@ -190,7 +191,7 @@ class AsyncEngine:
     def _snapshot(self) -> dict:
         engine, kv = self.engine, self.engine.kv_manager
         owners: dict[int, list[str]] = {}
-        for seq in engine.sequences.values():
+        for seq in (s for seqs in engine.requests.values() for s in seqs):
             for block_id in {b for table in seq.block_tables for b in table}:
                 owners.setdefault(block_id, []).append(seq.request_id)
         pools = [(kv.pool, False)] + ([(kv.residual, True)] if kv.residual else [])

@@ -44,12 +44,11 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     cache_salt: str | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int, prompt_logprobs: int | None = None) -> SamplingParams:
-        """Choice i of n gets seed + i, so n > 1 with a seed gives n different but reproducible answers."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """Completion i of n samples with seed + i, so n > 1 with a seed gives n different but reproducible answers."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=None if self.seed is None else self.seed + choice, max_tokens=max_tokens, stop=stop,
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, max_tokens=max_tokens, stop=stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt,
@@ -116,10 +115,11 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict:
-    completion = sum(len(o.token_ids) for o in outputs)
+    """OpenAI's usage, plus kvserve's forked_blocks: prompt blocks n > 1 completions shared instead of computing."""
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = max((o.metrics.cached_tokens for o in outputs), default=0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached}, "forked_blocks": sum(o.metrics.forked_blocks for o in outputs)}
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], decode, raw) -> dict:

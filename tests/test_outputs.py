@@ -1,0 +1,66 @@
+"""vLLM-shaped outputs, and n > 1 completions that share one prefill: the others fork from the prompt's blocks
+(full blocks shared, the partly filled last one copied on write)."""
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, KVServeError, SamplingParams
+from tests.conftest import FP32
+
+PROMPT = "Write a short story about a dragon who learns to program computers. The dragon lives in a cave " * 2
+
+
+def test_vllm_shape(smollm2):
+    out = smollm2.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=1, stop_token_ids=[]), use_tqdm=False)[0]
+    assert out.finished and out.prompt == PROMPT and out.prompt_token_ids == smollm2.engine.tokenize(PROMPT)
+    (c,) = out.outputs
+    assert c.index == 0 and len(c.token_ids) == 6 and c.finish_reason == "length" and c.stop_reason is None
+    assert c.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in c.logprobs)) and c.text
+    stopped = smollm2.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[c.token_ids[2]]), use_tqdm=False)
+    assert stopped[0].outputs[0].stop_reason == c.token_ids[2]
+
+
+def test_prompt_token_ids_dicts(smollm2):
+    ids = smollm2.engine.tokenize("The capital of France is")
+    by_ids, by_text = smollm2.generate([{"prompt_token_ids": ids}, {"prompt": "The capital of France is"}],
+                                       SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids and by_text.prompt == "The capital of France is"
+    with pytest.raises(KVServeError, match="a prompt dict needs 'prompt' or 'prompt_token_ids'"):
+        smollm2.generate([{"text": "hi"}])
+
+
+def test_n_completions_share_one_prefill_and_equal_separate_requests():
+    llm = LLM("smollm2-135m", kv_cache_memory="64MiB", enable_prefix_caching=False, **FP32)
+    engine, n = llm.engine, 4
+    prompt_len = len(engine.tokenize(PROMPT))
+    engine.add_request(PROMPT, SamplingParams(n=n, temperature=0.8, seed=11, max_tokens=10, ignore_eos=True))
+    prefill, outputs = 0, []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        prefill += engine.last_step.prefill_tokens
+    out = outputs[-1]
+    assert out.finished and [c.index for c in out.outputs] == list(range(n))
+    assert prefill == prompt_len  # one prefill, not n
+    assert out.metrics.forked_blocks == (n - 1) * (prompt_len // 16)
+    assert engine.kv_manager.pool.num_used == 0
+    alone = [llm.generate(PROMPT, SamplingParams(temperature=0.8, seed=11 + i, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+             for i in range(n)]
+    assert [c.token_ids for c in out.outputs] == [a.outputs[0].token_ids for a in alone]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_n_completions_stream_and_abort_together(smollm2):
+    engine = smollm2.engine
+    request = engine.add_request(PROMPT, SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        outs = engine.step()
+    assert len(outs) == 1 and all(len(c.new_token_ids) == 1 for c in outs[0].outputs)
+    assert all(c.text.endswith(c.new_text) for c in outs[0].outputs)
+    engine.abort_request(request)
+    assert not engine.has_unfinished_requests() and engine.kv_manager.pool.num_used == 0
+
+
+def test_static_baseline_rejects_n(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), scheduler="static")
+    with pytest.raises(KVServeError, match="one completion per request"):
+        llm.generate([1, 2, 3], SamplingParams(n=2, max_tokens=2))
