@@ -7,15 +7,22 @@ import torch
 from kvserve.attention import QueryGroup
 from kvserve.attention.sdpa import SDPABackend
 from kvserve.kernels import native_ops
+from kvserve.kv.cache import KVCache
 
 
 class NativeCPUBackend(SDPABackend):
+    def __init__(self, cache: KVCache):
+        super().__init__(cache)
+        layout, residual = cache.layout, cache.residual_k is not None
+        codes = (layout.k_format.code, layout.v_format.code, layout.residual_format.code if residual else 0)
+        # the kernel's arguments for each layer of a group, made once
+        self.stores = [(list(cache.k[j].values()), list(cache.v[j].values()), *codes[:2],
+                        list(cache.residual_k[j].values()) if residual else [],
+                        list(cache.residual_v[j].values()) if residual else [], codes[2]) for j in range(layout.layers_per_group)]
+
     def attend(self, j: int, q: torch.Tensor, group: QueryGroup, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
         if not group.is_decode:
             return super().attend(j, q, group, block_tables, scale)
-        cache, layout = self.cache, self.cache.layout
-        residual = cache.residual_k is not None
-        return native_ops().paged_decode_attention(
-            q[group.flat_index], list(cache.k[j].values()), list(cache.v[j].values()), block_tables, group.context_lens,
-            scale, layout.k_format.code, layout.v_format.code, list(cache.residual_k[j].values()) if residual else [],
-            list(cache.residual_v[j].values()) if residual else [], layout.residual_format.code if residual else 0)
+        k, v, k_code, v_code, k_res, v_res, res_code = self.stores[j]
+        return native_ops().paged_decode_attention(q[group.flat_index], k, v, block_tables, group.context_lens, scale,
+                                                   k_code, v_code, k_res, v_res, res_code)

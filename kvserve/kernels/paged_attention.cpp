@@ -283,8 +283,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
     const int64_t chunk = ceil_div(ceil_div(max_len, splits), bs) * bs;
     const int64_t C = ceil_div(max_len, chunk);
     at::Tensor partial = at::empty({B, KVH, C, G, D + 2}, q.options());  // per chunk and query head: output, max, sum
+    at::Tensor out = at::empty_like(q);
     const float* qp = q.data_ptr<float>();
-    float* pp = partial.data_ptr<float>();
+    float *pp = partial.data_ptr<float>(), *op = out.data_ptr<float>();
     at::parallel_for(0, B * KVH * C, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(G * chunk), buffer(bs * D), cscale(D), cmin(D);
         std::vector<int64_t> rows(bs);
@@ -328,10 +329,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
                 for (int64_t h = 0; h < G; ++h)
                     weighted_values(scores.data() + h * chunk + t - t0, base, rows.data(), n, D, part + h * (D + 2));
             }
+            if (C == 1) {  // the whole context in one chunk: normalize here, no merge pass
+                for (int64_t h = 0; h < G; ++h) {
+                    const float inv = 1.0f / part[h * (D + 2) + D + 1];
+                    float* o = op + (b * H + g * G + h) * D;
+                    for (int64_t i = 0; i < D; ++i) o[i] = part[h * (D + 2) + i] * inv;
+                }
+            }
         }
     });
-    at::Tensor out = at::empty_like(q);
-    float* op = out.data_ptr<float>();
+    if (C == 1) return out;
     at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
         for (int64_t bh = begin; bh < end; ++bh) {
             const int64_t b = bh / H, g = bh % H / G, h = bh % G;

@@ -28,6 +28,11 @@ class KVCache:
             self.residual_k = [_allocate(layout.residual_format, num_residual, layout, spec.k_dim, device) for _ in range(n)]
             self.residual_v = [_allocate(layout.residual_format, num_residual, layout, spec.v_dim, device) for _ in range(n)]
         self._main = [t for stores in (self.k, self.v) for store in stores for t in store.values()]
+        # what writes go to, per layer of a group: (format, {part: [slots, ...] view}) for K and for V
+        write_k, write_v = (self.residual_k, self.residual_v) if layout.has_residual else (self.k, self.v)
+        formats = (layout.residual_format,) * 2 if layout.has_residual else (layout.k_format, layout.v_format)
+        self._writes = [[(fmt, {name: t.flatten(0, 1) for name, t in store.items()}) for fmt, store in zip(formats, stores)]
+                        for stores in zip(write_k, write_v)] if layout.groups[0].spec.v_dim else []
         self._residual = [t for stores in (self.residual_k or [], self.residual_v or []) for store in stores for t in store.values()]
 
     @property
@@ -41,13 +46,10 @@ class KVCache:
     def write(self, j: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """K/V [T, heads, dim] of new tokens at their slots, in the j-th layer of a group."""
         if self.residual_k is not None:  # new tokens always land in residual blocks
-            stores, formats = (self.residual_k[j], self.residual_v[j]), (self.layout.residual_format,) * 2
             slots = slots - self.num_blocks * self.block_size
-        else:
-            stores, formats = (self.k[j], self.v[j]), (self.layout.k_format, self.layout.v_format)
-        for store, fmt, x in zip(stores, formats, (k, v)):
+        for (fmt, views), x in zip(self._writes[j], (k, v)):
             for name, part in fmt.quantize_tokens(x).items():
-                store[name].flatten(0, 1).index_copy_(0, slots, part)
+                views[name].index_copy_(0, slots, part)
 
     def gather(self, j: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks in `block_tables` ([batch, blocks]), dequantized, as [batch, blocks * block_size, heads, dim]."""
