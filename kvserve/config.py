@@ -117,6 +117,7 @@ class EngineConfig:
     cache_type_k: str | None = None
     cache_type_v: str | None = None
     kivi_residual: int = 128
+    speculative: str | None = None  # a proposer, e.g. "ngram:k=4" (kvserve.spec_decode)
     seed: int = 0
 
     def validate(self) -> None:
@@ -140,6 +141,12 @@ class EngineConfig:
                 raise KVServeError(message)
         if "kivi2" in self.kv_dtypes and (self.kivi_residual < 0 or self.kivi_residual % self.block_size):
             raise KVServeError(f"kivi_residual must be a multiple of the block size ({self.block_size}), got {self.kivi_residual}")
+        if self.speculative is not None:
+            from kvserve.spec_decode import parse_speculative
+
+            parse_speculative(self.speculative)
+            if self.scheduler == "static":
+                raise KVServeError("speculative decoding needs the continuous scheduler")
         if self.scheduler == "static" and "kivi2" in self.kv_dtypes:
             raise KVServeError("the static baseline reserves whole requests up front and has no kivi2 residual; use the continuous scheduler")
         _check_device(self.device)

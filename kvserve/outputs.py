@@ -17,6 +17,8 @@ class RequestMetrics:
     num_output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     forked_blocks: int = 0  # n > 1: blocks of the prompt the other completions share instead of computing again
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed...
+    num_accepted_tokens: int = 0  # ...and kept
     kv_bytes: int = 0
 
     @property
@@ -33,6 +35,11 @@ class RequestMetrics:
         if self.num_output_tokens < 2 or self.last_token_time == self.first_token_time:
             return None
         return (self.num_output_tokens - 1) / (self.last_token_time - self.first_token_time)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Speculative decoding: the share of proposed tokens the model confirmed."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def e2e_latency(self) -> float | None:

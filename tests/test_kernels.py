@@ -17,7 +17,7 @@ TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GG
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 32])
 def test_matmul_equals_dequantized_fp32(qtype, rows):
     rng = np.random.default_rng(rows)
     blocks = gguf.quants.quantize(rng.standard_normal((80, 192)).astype(np.float32), qtype)
@@ -25,6 +25,17 @@ def test_matmul_equals_dequantized_fp32(qtype, rows):
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
     out = native_ops().gguf_matmul(x, torch.from_numpy(blocks))
     torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype):
+    """Speculative verification multiplies a sequence's guesses with its last token: each row must come out
+    bit for bit as it would alone, so that verified tokens equal one-token decoding."""
+    blocks = torch.from_numpy(gguf.quants.quantize(np.random.default_rng(0).standard_normal((40, 96)).astype(np.float32), qtype))
+    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([native_ops().gguf_matmul(x[i:i + 1], blocks) for i in range(13)])
+    for rows in range(2, 14):
+        assert torch.equal(native_ops().gguf_matmul(x[:rows], blocks), alone[:rows]), rows
 
 
 def test_linear_uses_blocks_only_for_few_rows():

@@ -9,7 +9,7 @@ import torch
 
 from kvserve.config import EngineConfig, parse_size
 from kvserve.engine.detokenizer import SerialTokenizer
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, StepOutput
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.sequence import Sequence
@@ -20,6 +20,7 @@ from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import open_checkpoint
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode import parse_speculative
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.requests: dict[str, list[Sequence]] = {}  # a request's completions, by index
         self.output = OutputProcessor(self.kv_manager, self.tokenizer, eos, self.max_request_tokens, self._finish)
+        self.proposer = parse_speculative(config.speculative) if config.speculative else None
         self._ids = itertools.count()
         self.last_step = StepStats(0, 0, 0.0)
 
@@ -130,25 +132,50 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one forward pass; returns an output for each request that got a token."""
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if not batch.has_work():
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests pending"
             return []
         started = time.perf_counter()
-        sampled_seqs, sampled = self.runner.execute(batch)
-        decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
+        step = self.runner.execute(batch)
+        decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
-        self.output.record_computed(batch)
+        self.output.record_computed(batch, self._verified(step))
+        sampled_seqs = step.seqs
         self.runner.copy_blocks(self._fork(sampled_seqs))
         self.runner.pack(self.kv_manager.pack_aged(batch.seqs))  # kivi2: before finished requests free their blocks
         touched = list(dict.fromkeys(seq.request_id for seq in sampled_seqs))
         for request_id in touched:  # measured while every completion still holds its blocks
             self.requests[request_id][0].metrics.kv_bytes = self.kv_manager.kv_bytes(self.requests[request_id])
-        deltas = self.output.process(sampled_seqs, sampled)
+        deltas = self.output.process(step)
         outputs = [self._request_output(request_id, deltas) for request_id in touched]
         if not self.config.use_kv_cache:
             self._drop_kv(batch)
         return outputs
+
+    def _propose(self) -> None:
+        """Guesses for each decoding sequence, never past max_tokens or the request's token limit."""
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed_tokens == 1 and seq.params.max_tokens:
+                room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_request_tokens - seq.num_tokens) - 1
+                seq.draft_token_ids = self.proposer.propose(seq, room) if room > 0 else []
+
+    def _verified(self, step: StepOutput) -> dict[Sequence, int]:
+        """Each guessing sequence's rejected guesses (their K/V is rolled back); counts proposals and acceptances."""
+        rejected, stats = {}, self.scheduler.stats
+        for seq, tokens in zip(step.seqs, step.tokens):
+            if seq.draft_token_ids:
+                proposed, kept = len(seq.draft_token_ids), len(tokens) - 1
+                rejected[seq] = proposed - kept
+                seq.metrics.num_draft_tokens += proposed
+                seq.metrics.num_accepted_tokens += kept
+                stats.num_draft_tokens += proposed
+                stats.num_accepted_tokens += kept
+                self.proposer.record(seq, proposed, kept)
+                seq.draft_token_ids = []
+        return rejected
 
     def _fork(self, sampled: list[Sequence]) -> list[tuple[int, int]]:
         """Completions that just sampled their first token from the prompt's logits take its blocks; returns the

@@ -19,16 +19,25 @@ from kvserve.kv.spec import KVLayout
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample, score_prompt
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import Checkpoint, load_gguf_blocks, load_weights
+from kvserve.spec_decode import verify
 
 
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
     ctx: ForwardContext
-    logits_index: torch.Tensor  # flat index of the last token of each sequence that samples this step
-    sampling_rows: list[int]  # which of the batch's sequences sample, in logits_index order
+    logits_index: torch.Tensor  # flat index of each token whose logits are sampled: a sequence's last, and its guesses'
+    sampling_rows: list[int]  # which of the batch's sequences sample (each has 1 + its guesses rows), in order
     # sequences scoring their prompt: (row in the batch, flat index of each scoring token, the prompt token it predicts)
     prompt_rows: list[tuple[int, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    seqs: list[Sequence]  # the sequences that sampled
+    tokens: list[list[int]]  # each one's new tokens: confirmed guesses, then one sampled token
+    rows: list[list[int]]  # each new token's row in sampled.logprobs
+    sampled: SamplerOutput | None
 
 
 class ModelRunner:
@@ -47,28 +56,42 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
-        """Move blocks, then run the batch; returns the sequences that sampled and their tokens (a prompt's
-        waiting completions sample from its logits too, in the step that finishes it)."""
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Move blocks, then run the batch and sample: a prompt's waiting completions sample from its logits too,
+        in the step that finishes it; a sequence with guesses samples at each of them and keeps the guesses its
+        samples confirm, plus its next sample."""
         self.move_blocks(batch)
         if not batch.seqs:
-            return [], None
+            return StepOutput([], [], [], None)
         inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.ctx)
         logits = self.model.compute_logits(hidden[inputs.logits_index])
         self.last_logits = logits
-        rows = [(seq, i) for i, row in enumerate(inputs.sampling_rows) for seq in [batch.seqs[row], *batch.seqs[row].children]]
-        seqs = [seq for seq, _ in rows]
-        sampling = SamplingBatch(
-            [s.params for s in seqs], [s.generator for s in seqs],
-            [s.token_ids[: s.num_prompt_tokens] for s in seqs], [s.output_token_ids for s in seqs],
-        )
-        sampled = sample(logits.cpu()[[i for _, i in rows]], sampling)
+        rows, first = [], 0  # (sequence, logits row, outputs so far), one per sample
+        for row in inputs.sampling_rows:
+            seq = batch.seqs[row]
+            guesses = seq.draft_token_ids
+            rows += [(seq, first + j, seq.output_token_ids + guesses[:j]) for j in range(len(guesses) + 1)]
+            rows += [(child, first, []) for child in seq.children]
+            first += len(guesses) + 1
+        sampling = SamplingBatch([s.params for s, _, _ in rows], [s.generator for s, _, _ in rows],
+                                 [s.token_ids[: s.num_prompt_tokens] for s, _, _ in rows], [out for _, _, out in rows])
+        sampled = sample(logits.cpu()[[i for _, i, _ in rows]], sampling)
+        output = StepOutput([], [], [], sampled)
+        at = 0
+        while at < len(rows):  # each sequence's samples are consecutive: one per guess, then one after them
+            seq = rows[at][0]
+            guesses = seq.draft_token_ids
+            tokens = verify(guesses, sampled.token_ids[at:at + len(guesses) + 1])
+            output.seqs.append(seq)
+            output.tokens.append(tokens)
+            output.rows.append(list(range(at, at + len(tokens))))
+            at += len(guesses) + 1
         if inputs.prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[torch.cat([index for _, index, _ in inputs.prompt_rows])]).cpu()
             for (row, index, targets), part in zip(inputs.prompt_rows, prompt_logits.split([len(i) for _, i, _ in inputs.prompt_rows])):
                 sampled.prompt[batch.seqs[row]] = score_prompt(part, targets, batch.seqs[row].params)
-        return seqs, sampled
+        return output
 
     def move_blocks(self, batch: ScheduledBatch) -> None:
         for seq, block_ids in batch.swap_out:
@@ -99,22 +122,38 @@ class ModelRunner:
         tables = [torch.tensor([s.block_tables[g] + [0] * (width - len(s.block_tables[g])) for s in batch.seqs])
                   for g in range(len(batch.seqs[0].block_tables))]
         input_ids = torch.tensor([t for s, n, c in zip(batch.seqs, batch.num_tokens, counts.tolist())
-                                  for t in s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n] + [0] * (c - n)])
+                                  for t in _step_tokens(s, n) + [0] * (c - n)])
         owner = torch.repeat_interleave(torch.arange(len(batch)), counts)
         positions = starts[owner] + torch.arange(len(owner)) - offsets[owner]
         slot_mappings = [(t[owner, positions // bs] * bs + positions % bs).to(dev) for t in tables]
+        # A sequence's guesses attend as decodes, a query each with its own context: the decode kernel serves
+        # them, with the arithmetic of one-token steps.
+        verifying = torch.tensor([bool(s.draft_token_ids) for s in batch.seqs])
+        per_row = torch.where(verifying, counts, 1)
+        src = torch.repeat_interleave(torch.arange(len(batch)), per_row)
+        within = torch.arange(len(src)) - (torch.cumsum(per_row, 0) - per_row)[src]
+        q_starts, q_counts = starts[src] + within, torch.where(verifying[src], 1, counts[src])
+        q_offsets, q_tables = offsets[src] + within, [t[src] for t in tables]
         # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
-        groups = [_group(rows, starts, counts, offsets, tables, bs)
-                  for rows in (counts == 1, (counts > 1) & (starts == 0), (counts > 1) & (starts > 0)) if rows.any()]
+        groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs)
+                  for rows in (q_counts == 1, (q_counts > 1) & (q_starts == 0), (q_counts > 1) & (q_starts > 0)) if rows.any()]
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                         if s.num_computed_tokens + n == s.num_tokens]
-        logits_index = offsets[sampling_rows] + real_counts[sampling_rows] - 1
+                         if s.num_computed_tokens + n == s.num_tokens + len(s.draft_token_ids)]
+        last = (offsets + real_counts - 1).tolist()
+        logits_index = torch.tensor([last[i] - len(batch.seqs[i].draft_token_ids) + j for i in sampling_rows
+                                     for j in range(len(batch.seqs[i].draft_token_ids) + 1)], dtype=torch.long)
         prompt_rows = [_prompt_row(i, s, n, int(offsets[i])) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                        if s.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens]
         backend = self.sdpa if batch.rectangular else self.backend
         ctx = ForwardContext(positions.to(dev), slot_mappings, [g.to(dev) for g in groups], backend)
         return StepInputs(input_ids.to(dev), ctx, logits_index.to(dev), sampling_rows,
                           [(i, index.to(dev), targets) for i, index, targets in prompt_rows if len(index)])
+
+
+def _step_tokens(seq: Sequence, n: int) -> list[int]:
+    """The n tokens a sequence computes this step: its uncomputed ones, then its guesses."""
+    tokens = seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]
+    return tokens + seq.draft_token_ids[:n - len(tokens)]
 
 
 def _prompt_row(row: int, seq, num_tokens: int, offset: int) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -8,10 +8,10 @@ from collections.abc import Callable
 import torch
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.model_runner import StepOutput
 from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.engine.sequence import Sequence
 from kvserve.kv.manager import KVManager
-from kvserve.layers.sampler import SamplerOutput
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 
@@ -29,14 +29,18 @@ class OutputProcessor:
     def drop(self, seq: Sequence) -> None:
         self.detokenizers.pop(seq, None)
 
-    def record_computed(self, batch: ScheduledBatch) -> None:
-        """The step's tokens now have K/V in the cache: count them and share the blocks they filled."""
+    def record_computed(self, batch: ScheduledBatch, rejected: dict[Sequence, int]) -> None:
+        """The step's tokens now have K/V in the cache: count them (not rejected guesses, whose K/V is rolled
+        back) and share the blocks they filled."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - rejected.get(seq, 0)
+            if seq in rejected:
+                self.kv.truncate(seq)
             self.kv.cache_full_blocks(seq)
 
-    def process(self, seqs: list[Sequence], sampled: SamplerOutput | None) -> dict[Sequence, tuple[str, list[int]]]:
-        """Append each sequence's sampled token; returns what each one's text and tokens gained."""
+    def process(self, step: StepOutput) -> dict[Sequence, tuple[str, list[int]]]:
+        """Append each sequence's new tokens; returns what each one's text and tokens gained."""
+        sampled = step.sampled
         if sampled is None:
             return {}
         for seq, scored in sampled.prompt.items():
@@ -46,8 +50,8 @@ class OutputProcessor:
             if scored.distributions is not None:
                 seq.prompt_distributions.append(scored.distributions)
         # max_tokens 0 scores the prompt only: its sampled token is dropped
-        return {seq: self.append(seq, [token] if seq.params.max_tokens else [], sampled.logprobs, [i])
-                for i, (seq, token) in enumerate(zip(seqs, sampled.token_ids))}
+        return {seq: self.append(seq, tokens if seq.params.max_tokens else [], sampled.logprobs, rows)
+                for seq, tokens, rows in zip(step.seqs, step.tokens, step.rows)}
 
     def append(self, seq: Sequence, tokens: list[int], logprobs: torch.Tensor | None, logprob_rows: list[int]) -> tuple[str, list[int]]:
         """Append tokens up to the first that finishes the sequence; returns the text shown and tokens added."""

@@ -47,6 +47,8 @@ class ScheduledBatch:
 @dataclass(slots=True)
 class SchedulerStats:
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified...
+    num_accepted_tokens: int = 0  # ...and kept
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens served from it
 
@@ -115,8 +117,12 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted to make room for an older one
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
+            del seq.draft_token_ids[max(0, n - seq.num_uncomputed_tokens):]  # the guesses the budget leaves room for
             while not self.kv.allocate_slots(seq, n):
+                if seq.draft_token_ids:  # guesses never cost another request its blocks
+                    seq.draft_token_ids, n = [], min(seq.num_uncomputed_tokens, budget)
+                    continue
                 victim, preempted = self.running[-1], True
                 if victim in batch.seqs:
                     budget += batch.remove(victim)
@@ -132,6 +138,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []
         if self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0:
             batch.swap_out.append((seq, self.kv.swap_out(seq)))
         else:

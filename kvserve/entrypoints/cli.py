@@ -39,6 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-type-v", default=None, metavar="DTYPE", help="V apart from K (overrides --kv-cache-dtype)")
     parser.add_argument("--kivi-residual", type=int, default=d.kivi_residual,
                         help="kivi2: newest tokens per request kept in full precision (a multiple of --block-size)")
+    parser.add_argument("--speculative", default=None, metavar="PROPOSER",
+                        help="speculative decoding, NAME[:key=value,...]: ngram[:k=4,n=3] (prompt lookup)")
     parser.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -49,7 +51,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode, scheduler=args.scheduler, use_kv_cache=not args.no_kv_cache,
         native_kernels=not args.no_native_kernels, matmul_dtype=args.matmul_dtype, kv_cache_dtype=args.kv_cache_dtype,
-        cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, kivi_residual=args.kivi_residual, seed=args.seed,
+        cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, kivi_residual=args.kivi_residual,
+        speculative=args.speculative, seed=args.seed,
     )
 
 
@@ -79,7 +82,13 @@ def stats_line(out: RequestOutput) -> str:
     prefilled = m.num_prompt_tokens - m.cached_tokens
     return (f"[{m.num_prompt_tokens} prompt tokens: {prefilled} prefilled, {m.cached_tokens} from cache | "
             f"{m.num_output_tokens} generated | TTFT {m.ttft * 1000:.0f} ms | decode {rate} | "
-            f"KV {m.kv_bytes / 2**20:.2f} MiB | finish: {out.outputs[0].finish_reason}]")
+            f"KV {m.kv_bytes / 2**20:.2f} MiB{_speculation(m)} | finish: {out.outputs[0].finish_reason}]")
+
+
+def _speculation(m) -> str:
+    if not m.num_draft_tokens:
+        return ""
+    return f" | speculative: {m.num_accepted_tokens}/{m.num_draft_tokens} accepted ({m.acceptance_rate:.0%})"
 
 
 def stream_answer(llm, prompt: str, params: SamplingParams, add_special_tokens: bool) -> RequestOutput:

@@ -27,17 +27,20 @@ class LLM:
         llm.tokenizer = llm.engine.tokenizer
         return llm
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, add_special_tokens: bool = True) -> list[RequestOutput]:
         """Run every prompt through the engine together; results come back in input order, each with
-        `params.n` completions in `.outputs`."""
+        `params.n` completions in `.outputs`. `params` is one for all prompts or, as in vLLM, one per prompt."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
+        each = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(each) != len(prompts):
+            raise KVServeError(f"{len(each)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
         parsed = [self._prompt(p, add_special_tokens) for p in prompts]
-        for ids, _ in parsed:  # reject a bad prompt before any work starts
-            self.engine.check_request(ids, params)
-        ids = [self.engine.add_request(t, params, prompt_text=text) for t, text in parsed]
+        for (ids, _), p in zip(parsed, each):  # reject a bad prompt before any work starts
+            self.engine.check_request(ids, p)
+        ids = [self.engine.add_request(t, p, prompt_text=text) for (t, text), p in zip(parsed, each)]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
             prefill = decode = seconds = 0.0

@@ -80,8 +80,19 @@ void matmul(const float* x, const uint8_t* w, const float* xsum, int64_t M, int6
             int64_t r = 0;
             const int64_t blocks = K / QK;
             for (; r + 8 <= M; r += 8) row_dot<TYPE, 8>(row, x + r * K, xsum + r * blocks, K, out + r * N + n, N);
-            for (; r + 4 <= M; r += 4) row_dot<TYPE, 4>(row, x + r * K, xsum + r * blocks, K, out + r * N + n, N);
-            for (; r < M; ++r) row_dot<TYPE, 1>(row, x + r * K, xsum + r * blocks, K, out + r * N + n, N);
+            // the rest in one pass too: each block is unpacked once for all rows (a row's sums do not change)
+            const float* xr = x + r * K;
+            const float* sr = xsum + r * blocks;
+            float* o = out + r * N + n;
+            switch (M - r) {
+                case 7: row_dot<TYPE, 7>(row, xr, sr, K, o, N); break;
+                case 6: row_dot<TYPE, 6>(row, xr, sr, K, o, N); break;
+                case 5: row_dot<TYPE, 5>(row, xr, sr, K, o, N); break;
+                case 4: row_dot<TYPE, 4>(row, xr, sr, K, o, N); break;
+                case 3: row_dot<TYPE, 3>(row, xr, sr, K, o, N); break;
+                case 2: row_dot<TYPE, 2>(row, xr, sr, K, o, N); break;
+                case 1: row_dot<TYPE, 1>(row, xr, sr, K, o, N); break;
+            }
         }
     });
 }

@@ -118,9 +118,17 @@ class KVManager:
         child.num_computed_tokens, child.num_shared_tokens = parent.num_computed_tokens, full * self.block_size
         return copies
 
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the blocks past the one its next token goes to (rejected guesses filled them)."""
+        keep = -(-(seq.num_computed_tokens + 1) // self.block_size)
+        for table in seq.block_tables:
+            while len(table) > keep:
+                block_id = table.pop()
+                self._pool_of(block_id).release(block_id)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are full of computed tokens in the prefix cache (kivi2: at packing)."""
-        full = seq.num_computed_tokens // self.block_size
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if not self.enable_prefix_caching or self.residual or full <= seq.num_hashed_blocks:
             return
         self._hash_full_blocks(seq)

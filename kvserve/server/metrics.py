@@ -1,6 +1,8 @@
 """Prometheus metrics, named in the style of vLLM's (`kvserve:` prefix), on a registry per server."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kvserve.engine.scheduler import SchedulerStats
@@ -40,6 +42,8 @@ class Metrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed and verified.")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.")
         self.finished = Counter("kvserve:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model = model
@@ -51,7 +55,9 @@ class Metrics:
         self.prefix_queries.inc(stats.prefix_queries - last.prefix_queries)
         self.prefix_hits.inc(stats.prefix_hits - last.prefix_hits)
         self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
-        self._last_stats = SchedulerStats(stats.num_preemptions, stats.prefix_queries, stats.prefix_hits)
+        self.draft_tokens.inc(stats.num_draft_tokens - last.num_draft_tokens)
+        self.accepted_tokens.inc(stats.num_accepted_tokens - last.num_accepted_tokens)
+        self._last_stats = replace(stats)
 
     def record_finished(self, reason: str) -> None:
         self.finished.labels(model_name=self._model, finished_reason=reason).inc()

@@ -115,11 +115,21 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict:
-    """OpenAI's usage, plus kvserve's forked_blocks: prompt blocks n > 1 completions shared instead of computing."""
+    """OpenAI's usage, plus kvserve's forked_blocks (prompt blocks n > 1 completions shared instead of computing) and,
+    with speculative decoding, the tokens proposed and accepted."""
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = max((o.metrics.cached_tokens for o in outputs), default=0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}, "forked_blocks": sum(o.metrics.forked_blocks for o in outputs)}
+            "prompt_tokens_details": {"cached_tokens": cached}, "forked_blocks": sum(o.metrics.forked_blocks for o in outputs),
+            **_speculative(outputs)}
+
+
+def _speculative(outputs: list[RequestOutput]) -> dict:
+    proposed = sum(o.metrics.num_draft_tokens for o in outputs)
+    if not proposed:
+        return {}
+    accepted = sum(o.metrics.num_accepted_tokens for o in outputs)
+    return {"speculative": {"draft_tokens": proposed, "accepted_tokens": accepted, "acceptance_rate": accepted / proposed}}
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], decode, raw) -> dict:

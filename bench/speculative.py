@@ -1,0 +1,91 @@
+"""Speculative decoding: decode tok/s with and without each proposer, as ratios measured in one run.
+
+Workloads (greedy, SmolLM2 by default):
+  copy    rewrite a given paragraph (the output repeats the prompt: prompt lookup's best case), batch 1
+  open    open-ended generation (little to look up), batch 1
+  batch   16 open-ended requests at once: total tok/s (speculation's extra tokens compete with other requests)
+
+Each proposer's engine and the baseline run the same requests in turns, `--rounds` times; the median is
+reported. Greedy outputs should be the same tokens; the table says where they are not (a batched verification
+pass rounds differently from one-token steps, which can flip a near-tie).
+
+    python bench/speculative.py [--model smollm2-135m] [--speculative ngram:k=4 ...] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from kvserve import LLM, SamplingParams
+
+PARAGRAPHS = [
+    "The city council met on Tuesday to discuss the new budget. After a long debate, the members agreed to spend more "
+    "money on public parks and less on road repairs. The mayor said the decision would make the city a better place "
+    "for families, but some residents worried that the roads would get worse over the winter.",
+    "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide and water. "
+    "It takes place mainly in the leaves, inside small structures called chloroplasts. Oxygen is released as a "
+    "by-product, which is why forests are often called the lungs of the planet.",
+    "To make a simple loaf of bread, mix flour, water, yeast and a pinch of salt in a large bowl. Knead the dough "
+    "for ten minutes, then let it rise in a warm place for an hour. Shape it, let it rise again, and bake it in a "
+    "hot oven for about thirty minutes until the crust is golden brown.",
+]
+OPEN = ["Write a short story about a dragon who is afraid of the dark.", "Explain why the sky is blue to a child.",
+        "What are the main causes of the French Revolution?"]
+
+
+def workloads(llm: LLM) -> dict[str, list[str]]:
+    chat = lambda text: llm.apply_chat_template([{"role": "user", "content": text}])  # noqa: E731
+    copy = [chat(f"Rewrite the following paragraph, fixing nothing and changing nothing:\n\n{p}") for p in PARAGRAPHS]
+    return {"copy": copy, "open": [chat(t) for t in OPEN], "batch": [chat(t) for t in OPEN * 6][:16]}
+
+
+def run(llm: LLM, name: str, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]], float]:
+    """tok/s (batch 1: decode rate per request, averaged; batch: all output tokens over wall time), outputs, acceptance."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    if name == "batch":
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+    else:
+        outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+        rate = statistics.mean(o.metrics.decode_tokens_per_s or 0.0 for o in outs)
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    return rate, [o.outputs[0].token_ids for o in outs], accepted / drafted if drafted else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--speculative", nargs="+", default=["ngram:k=4", "ngram:k=8"])
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", default="copy,open,batch")
+    args = parser.parse_args()
+
+    engines = {"baseline": LLM(args.model)} | {spec: LLM(args.model, speculative=spec) for spec in args.speculative}
+    loads = {name: prompts for name, prompts in workloads(engines["baseline"]).items() if name in args.workloads.split(",")}
+    for llm in engines.values():  # warm-up: kernels, allocator
+        llm.generate(loads[next(iter(loads))][0], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    results: dict[tuple[str, str], list[tuple[float, list[list[int]], float]]] = {}
+    for _ in range(args.rounds):
+        for load, prompts in loads.items():
+            for name, llm in engines.items():
+                results.setdefault((load, name), []).append(run(llm, load, prompts, args.max_tokens))
+
+    print(f"{args.model}, greedy, up to {args.max_tokens} new tokens, median of {args.rounds} rounds")
+    for load in loads:
+        base = statistics.median(r[0] for r in results[(load, "baseline")])
+        reference = results[(load, "baseline")][0][1]
+        for name in engines:
+            runs = results[(load, name)]
+            rate = statistics.median(r[0] for r in runs)
+            same = sum(a == b for a, b in zip(runs[0][1], reference))
+            accepted = f"accepted {runs[0][2]:5.1%}" if name != "baseline" else " " * 14
+            print(f"  {load:5s} {name:12s} {rate:7.1f} tok/s ({rate / base:4.2f}x) | {accepted} | "
+                  f"same tokens as baseline: {same}/{len(reference)}")
+
+
+if __name__ == "__main__":
+    main()

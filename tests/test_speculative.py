@@ -1,0 +1,266 @@
+"""Speculative decoding: lossless verification, KV rollback, the ngram proposer, and its metrics."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve import LLM, KVServeError, SamplingParams
+from kvserve.layers.sampler import SamplingBatch, sample
+from kvserve.spec_decode import parse_speculative, verify
+from kvserve.spec_decode.ngram import NgramProposer
+from tests.conftest import FP32, greedy
+from tests.test_kv_manager import check_invariants
+
+TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+        "All that glitters is not gold. Actions speak louder than words.")
+COPY = [{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXT}"}]
+
+
+class OracleProposer:
+    """Guesses a reference continuation (by prompt); with an rng, wrong from a random point on, so that acceptance
+    lengths are chosen."""
+
+    def __init__(self, reference: dict[tuple, list[int]], k: int, rng: random.Random | None = None):
+        self.reference, self.k, self.rng = reference, k, rng
+        self.expected_accepted = self.proposed = 0
+
+    def propose(self, seq, limit: int) -> list[int]:
+        ref = self.reference[tuple(seq.token_ids[:seq.num_prompt_tokens])][len(seq.output_token_ids):]
+        guesses = ref[:min(self.k, limit, len(ref))]
+        right = self.rng.randint(0, len(guesses)) if self.rng else len(guesses)
+        guesses = guesses[:right] + [(t + 1) % 256 for t in guesses[right:]]
+        self.proposed += len(guesses)
+        self.expected_accepted += right
+        return guesses
+
+    def record(self, seq, proposed: int, accepted: int) -> None:
+        pass
+
+
+def chi_square(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Two-sample chi-square homogeneity statistic over the categories either sample has, and its degrees of freedom."""
+    counts = {}
+    for i, sample_ in enumerate((a, b)):
+        for x in sample_:
+            counts.setdefault(x, [0, 0])[i] += 1
+    stat = sum((x - y) ** 2 / (x + y) for x, y in counts.values())  # equal sample sizes
+    return stat, len(counts) - 1
+
+
+def critical(df: int, z: float = 3.09) -> float:
+    """Chi-square quantile at p = 0.001 (z of the normal), by Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+# --- the rule --------------------------------------------------------------------------------------------------
+
+def test_verify_keeps_guesses_until_a_sample_differs():
+    assert verify([], [7]) == [7]
+    assert verify([1, 2, 3], [1, 2, 3, 9]) == [1, 2, 3, 9]
+    assert verify([1, 2, 3], [1, 5, 3, 9]) == [1, 5]
+    assert verify([1, 2, 3], [4, 2, 3, 9]) == [4]
+
+
+def test_rejection_rule_on_a_hand_made_distribution_equals_the_formula():
+    """Guess x under target p: kept with probability min(1, p(x)/q(x)) = p(x) (q is a point mass); a rejection's
+    token is distributed as max(0, p - q) normalized. Sampled through the engine's own sampler."""
+    p = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
+    x, n = 1, 20000
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, max_tokens=1)
+    samples = sample(p.log().repeat(n, 1), SamplingBatch([params] * n, [gen] * n, [[]] * n, [[]] * n)).token_ids
+    kept = [verify([x], [s, 0]) for s in samples]
+    rate = sum(len(t) == 2 for t in kept) / n
+    assert abs(rate - p[x].item()) < 4 * math.sqrt(p[x] * (1 - p[x]) / n)
+    residual = (p - torch.nn.functional.one_hot(torch.tensor(x), 5)).clamp(min=0)
+    residual /= residual.sum()
+    replaced = [t[0] for t in kept if len(t) == 1]
+    stat = sum((replaced.count(i) - len(replaced) * residual[i].item()) ** 2 / (len(replaced) * residual[i].item())
+               for i in range(5) if residual[i] > 0)
+    assert stat < critical(3) and x not in replaced
+
+
+# --- the ngram proposer ----------------------------------------------------------------------------------------
+
+class _Seq:
+    def __init__(self, tokens):
+        self.token_ids, self.spec_state = tokens, None
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_match():
+    proposer = NgramProposer(k=3, n=3, min_n=1)
+    seq = _Seq([5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 4, 0, 6, 7])
+    assert proposer.propose(seq, 10) == [3, 4, 0]  # "6 7" last seen before "3 4 0"; no 3-gram "0 6 7" earlier
+    seq.token_ids += [8]
+    assert proposer.propose(seq, 10) == [9, 1, 2]  # "6 7 8" occurred: the longest n wins
+    assert proposer.propose(seq, 2) == [9, 1]  # never past the room left
+    assert proposer.propose(_Seq([1, 2, 3]), 4) == []
+
+
+def test_ngram_pauses_a_sequence_whose_guesses_fail():
+    proposer = NgramProposer(k=4, n=1, min_n=1, min_acceptance=50, window=8)
+    seq = _Seq([1, 2, 1, 2, 1])
+    assert proposer.propose(seq, 8)
+    proposer.record(seq, 4, 0)
+    proposer.record(seq, 4, 1)  # 1 of 8 accepted
+    assert [proposer.propose(seq, 8) for _ in range(8)] == [[]] * 8
+    assert proposer.propose(seq, 8)  # tries again after the pause
+
+
+@pytest.mark.parametrize("text, message", [
+    ("medusa", "unknown speculative proposer 'medusa'"), ("ngram:k", "'k' is not name=integer"),
+    ("ngram:k=four", "'k=four' is not name=integer"), ("ngram:depth=3", "bad options for the ngram proposer"),
+    ("ngram:k=0", "1 <= k <= 16"), ("ngram:n=2,min_n=3", "min_n <= n"),
+])
+def test_bad_speculative_options_name_the_value(text, message):
+    with pytest.raises(KVServeError, match=message):
+        parse_speculative(text)
+
+
+def test_static_scheduler_refuses_speculation(tiny_model_dir):
+    with pytest.raises(KVServeError, match="continuous scheduler"):
+        LLM(str(tiny_model_dir), speculative="ngram", scheduler="static")
+
+
+# --- end to end: SmolLM2, greedy ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_ngram() -> LLM:
+    return LLM("smollm2-135m", speculative="ngram:k=4", **FP32)
+
+
+def test_greedy_copying_equals_plain_decoding(smollm2, smollm2_ngram):
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
+    plain, spec = smollm2.chat(COPY, params)[0], smollm2_ngram.chat(COPY, params)[0]
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids and spec.outputs[0].text == plain.outputs[0].text
+    m = spec.metrics
+    assert m.num_draft_tokens > 0 and m.num_accepted_tokens >= len(spec.outputs[0].token_ids) // 2  # it copies
+    for a, b in zip(plain.outputs[0].logprobs, spec.outputs[0].logprobs):  # each kept token's own position's logprobs
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-3 and a.top.keys() == b.top.keys()
+    assert smollm2_ngram.engine.kv_manager.pool.num_used == 0
+
+
+def test_greedy_batched_with_prefix_hits_and_stops_equals_plain_decoding(smollm2, smollm2_ngram):
+    prompts = [smollm2.apply_chat_template(COPY), "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(",
+               "Once upon a time", smollm2.apply_chat_template(COPY)]  # the last one hits the first one's blocks
+    params = [greedy(40), greedy(24), greedy(30, stop=["."]), greedy(33)]
+    plain = smollm2.generate(prompts, params, use_tqdm=False)
+    spec = smollm2_ngram.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(plain, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].finish_reason == b.outputs[0].finish_reason
+        assert a.outputs[0].text == b.outputs[0].text
+    assert len(spec[1].outputs[0].token_ids) == 24 and spec[2].outputs[0].text.endswith(".") is False
+    assert spec[3].metrics.cached_tokens > 0 and spec[0].metrics.num_accepted_tokens > 0
+    assert smollm2_ngram.engine.kv_manager.pool.num_used == 0
+
+
+# --- rollback: random acceptance lengths ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_model_dir_d32):
+    options = dict(num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, **FP32)
+    return LLM(str(tiny_model_dir_d32), **options).engine, LLM(str(tiny_model_dir_d32), speculative="ngram", **options).engine
+
+
+def _run(engine, prompts, params, poison=False) -> dict[tuple, list[int]]:
+    outputs = {}
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[tuple(out.prompt_token_ids)] = out.outputs[0].token_ids
+        check_invariants(engine)
+        for seq in engine.scheduler.running:
+            assert len(seq.block_tables[0]) <= -(-(seq.num_computed_tokens + 1) // 4)  # rejected guesses' blocks returned
+            if poison:
+                _poison_past_computed(engine, seq)
+    assert engine.kv_manager.pool.num_used == 0
+    return outputs
+
+
+def _poison_past_computed(engine, seq) -> None:
+    """Huge K and V in every slot past the computed tokens: attention that read a rejected guess would show it."""
+    cache, bs = engine.runner.kv_cache, 4
+    slots = [seq.block_tables[0][p // bs] * bs + p % bs for p in range(seq.num_computed_tokens, len(seq.block_tables[0]) * bs)]
+    for store in cache.k + cache.v:
+        store["data"].flatten(0, 1)[slots] = 1e4
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), k=st.integers(1, 6), lengths=st.lists(st.integers(1, 20), min_size=1, max_size=5))
+def test_random_acceptance_lengths_keep_outputs_and_blocks(tiny_pair, seed, k, lengths):
+    plain, spec = tiny_pair
+    prompts = [[(seed + 31 * i + 7 * j) % 256 for j in range(3 + 5 * i)] for i in range(len(lengths))]
+    params = [greedy(n) for n in lengths]
+    reference = _run(plain, prompts, params)
+    spec.proposer = OracleProposer(reference, k, random.Random(seed))
+    accepted_before = spec.scheduler.stats.num_accepted_tokens
+    assert _run(spec, prompts, params, poison=True) == reference
+    assert spec.proposer.proposed > 0 or max(lengths) <= 2  # room for a guess and the token after it
+    assert spec.scheduler.stats.num_accepted_tokens - accepted_before == spec.proposer.expected_accepted
+
+
+# --- sampling: the distribution is unchanged ------------------------------------------------------------------------
+
+def test_sampled_tokens_are_distributed_as_without_speculation(tiny_pair, monkeypatch):
+    plain, spec = tiny_pair
+    prompt, n = [3, 1, 4, 1, 5, 9, 2, 6], 1500
+    reference = _run(plain, [prompt], [greedy(4)])
+
+    def draws(engine, first_seed: int) -> list[tuple[int, ...]]:
+        ids = [engine.add_request(prompt, SamplingParams(temperature=0.05, top_k=4, max_tokens=4, ignore_eos=True, seed=first_seed + i))
+               for i in range(n)]
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        return [tuple(outs[i]) for i in ids]
+
+    spec.proposer = OracleProposer(reference, 3)  # the greedy path's next tokens, a deterministic guess
+    accepted_before = spec.scheduler.stats.num_accepted_tokens
+    without, with_ = draws(plain, 0), draws(spec, 10**6)
+    assert spec.scheduler.stats.num_accepted_tokens - accepted_before > n // 4, "too few guesses kept to test"
+    for position in (1, 2, 3):  # ...and each verified position's tokens come out as without them
+        stat, df = chi_square([t[position] for t in without], [t[position] for t in with_])
+        assert stat < critical(df), (position, stat, df)
+    stat, df = chi_square([t[:2] for t in without], [t[:2] for t in with_])
+    assert stat < critical(df)
+
+    # the test has power: a rule that keeps every guess shifts the distribution far past the bound
+    monkeypatch.setattr("kvserve.engine.model_runner.verify", lambda guesses, samples: guesses + [samples[len(guesses)]])
+    biased = draws(spec, 2 * 10**6)
+    stat, df = chi_square([t[1] for t in without], [t[1] for t in biased])
+    assert stat > critical(df)
+
+
+# --- metrics --------------------------------------------------------------------------------------------------------
+
+def test_cli_stats_line_reports_acceptance(smollm2_ngram):
+    from kvserve.entrypoints.cli import stats_line
+
+    out = smollm2_ngram.chat(COPY, SamplingParams(temperature=0, max_tokens=24))[0]
+    m = out.metrics
+    assert m.num_draft_tokens > 0
+    assert f"speculative: {m.num_accepted_tokens}/{m.num_draft_tokens} accepted ({m.acceptance_rate:.0%})" in stats_line(out)
+
+
+def test_server_reports_speculation_in_usage_and_metrics():
+    import httpx
+
+    from tests.server_utils import running_server
+
+    with running_server("smollm2-135m", speculative="ngram:k=4", **FP32) as (url, _):
+        body = {"messages": COPY, "max_tokens": 32, "temperature": 0}
+        usage = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        spec = usage["speculative"]
+        assert spec["draft_tokens"] > 0 and 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
+        assert spec["acceptance_rate"] == pytest.approx(spec["accepted_tokens"] / spec["draft_tokens"])
+        metrics = {line.split("{")[0]: float(line.split()[-1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+                   if line.startswith("kvserve:spec_decode")}
+        assert metrics["kvserve:spec_decode_num_draft_tokens_total"] == spec["draft_tokens"]
+        assert metrics["kvserve:spec_decode_num_accepted_tokens_total"] == spec["accepted_tokens"]
