@@ -142,7 +142,7 @@ class EngineConfig:
         if "kivi2" in self.kv_dtypes and (self.kivi_residual < 0 or self.kivi_residual % self.block_size):
             raise KVServeError(f"kivi_residual must be a multiple of the block size ({self.block_size}), got {self.kivi_residual}")
         if self.speculative is not None:
-            from kvserve.spec_decode import parse_speculative
+            from kvserve.spec_decode.proposers import parse_speculative
 
             parse_speculative(self.speculative)
             if self.scheduler == "static":

@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 
 from kvserve import LLM, KVServeError, SamplingParams
 from kvserve.layers.sampler import SamplingBatch, sample
-from kvserve.spec_decode import parse_speculative, verify
+from kvserve.spec_decode import verify
+from kvserve.spec_decode.proposers import parse_speculative
 from kvserve.spec_decode.ngram import NgramProposer
+from kvserve.spec_decode.proposer import Proposer
 from tests.conftest import FP32, greedy
 from tests.test_kv_manager import check_invariants
 
@@ -21,15 +23,19 @@ TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand mi
 COPY = [{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXT}"}]
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Guesses a reference continuation (by prompt); with an rng, wrong from a random point on, so that acceptance
     lengths are chosen."""
 
     def __init__(self, reference: dict[tuple, list[int]], k: int, rng: random.Random | None = None):
-        self.reference, self.k, self.rng = reference, k, rng
+        super().__init__(k, min_acceptance=0, window=1)
+        self.reference, self.rng = reference, rng
         self.expected_accepted = self.proposed = 0
 
-    def propose(self, seq, limit: int) -> list[int]:
+    def propose(self, seqs, limits: list[int]) -> list[list[int]]:
+        return [self._propose(seq, limit) for seq, limit in zip(seqs, limits)]
+
+    def _propose(self, seq, limit: int) -> list[int]:
         ref = self.reference[tuple(seq.token_ids[:seq.num_prompt_tokens])][len(seq.output_token_ids):]
         guesses = ref[:min(self.k, limit, len(ref))]
         right = self.rng.randint(0, len(guesses)) if self.rng else len(guesses)
@@ -37,9 +43,6 @@ class OracleProposer:
         self.proposed += len(guesses)
         self.expected_accepted += right
         return guesses
-
-    def record(self, seq, proposed: int, accepted: int) -> None:
-        pass
 
 
 def chi_square(a: list[int], b: list[int]) -> tuple[float, int]:
@@ -94,27 +97,30 @@ class _Seq:
 
 def test_ngram_proposes_what_followed_the_latest_earlier_match():
     proposer = NgramProposer(k=3, n=3, min_n=1)
+    propose = lambda seq, limit: proposer.propose([seq], [limit])[0]  # noqa: E731
     seq = _Seq([5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 4, 0, 6, 7])
-    assert proposer.propose(seq, 10) == [3, 4, 0]  # "6 7" last seen before "3 4 0"; no 3-gram "0 6 7" earlier
+    assert propose(seq, 10) == [3, 4, 0]  # "6 7" last seen before "3 4 0"; no 3-gram "0 6 7" earlier
     seq.token_ids += [8]
-    assert proposer.propose(seq, 10) == [9, 1, 2]  # "6 7 8" occurred: the longest n wins
-    assert proposer.propose(seq, 2) == [9, 1]  # never past the room left
-    assert proposer.propose(_Seq([1, 2, 3]), 4) == []
+    assert propose(seq, 10) == [9, 1, 2]  # "6 7 8" occurred: the longest n wins
+    assert propose(seq, 2) == [9, 1]  # never past the room left
+    assert propose(_Seq([1, 2, 3]), 4) == []
 
 
-def test_ngram_pauses_a_sequence_whose_guesses_fail():
+def test_a_sequence_whose_guesses_fail_is_paused():
     proposer = NgramProposer(k=4, n=1, min_n=1, min_acceptance=50, window=8)
     seq = _Seq([1, 2, 1, 2, 1])
-    assert proposer.propose(seq, 8)
-    proposer.record(seq, 4, 0)
-    proposer.record(seq, 4, 1)  # 1 of 8 accepted
-    assert [proposer.propose(seq, 8) for _ in range(8)] == [[]] * 8
-    assert proposer.propose(seq, 8)  # tries again after the pause
+    assert proposer.wants(seq)
+    proposer.record(seq, 4, 2)
+    assert proposer.wants(seq)  # 2 of 4: too few guesses yet to judge
+    proposer.record(seq, 4, 1)  # 3 of 8 accepted
+    assert [proposer.wants(seq) for _ in range(9)] == [False] * 8 + [True]  # paused for the window, then tries again
+    proposer.record(seq, 8, 4)
+    assert proposer.wants(seq)  # 50%: not below the bar
 
 
 @pytest.mark.parametrize("text, message", [
-    ("medusa", "unknown speculative proposer 'medusa'"), ("ngram:k", "'k' is not name=integer"),
-    ("ngram:k=four", "'k=four' is not name=integer"), ("ngram:depth=3", "bad options for the ngram proposer"),
+    ("medusa", "unknown speculative proposer 'medusa'"), ("ngram:k", "'k' is not name=value"),
+    ("ngram:k=four", "option k must be an integer, got 'four'"), ("draft:k=2", "needs model=PATH"), ("ngram:depth=3", "bad options for the ngram proposer"),
     ("ngram:k=0", "1 <= k <= 16"), ("ngram:n=2,min_n=3", "min_n <= n"),
 ])
 def test_bad_speculative_options_name_the_value(text, message):
@@ -157,6 +163,30 @@ def test_greedy_batched_with_prefix_hits_and_stops_equals_plain_decoding(smollm2
     assert len(spec[1].outputs[0].token_ids) == 24 and spec[2].outputs[0].text.endswith(".") is False
     assert spec[3].metrics.cached_tokens > 0 and spec[0].metrics.num_accepted_tokens > 0
     assert smollm2_ngram.engine.kv_manager.pool.num_used == 0
+
+
+@pytest.mark.parametrize("speculative", ["self:layers=20", "draft:model=smollm2-135m,k=3"])
+def test_model_drafts_keep_greedy_outputs(smollm2, speculative):
+    prompts = ["Once upon a time", "def fib(n):", smollm2.apply_chat_template(COPY)]
+    params = [greedy(40), greedy(24), greedy(30)]
+    llm = LLM("smollm2-135m", speculative=speculative, **FP32)
+    plain, spec = smollm2.generate(prompts, params, use_tqdm=False), llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    proposed, accepted = (sum(getattr(o.metrics, f) for o in spec) for f in ("num_draft_tokens", "num_accepted_tokens"))
+    assert accepted > 0
+    if speculative.startswith("draft"):  # the target as its own draft: every guess is right
+        assert accepted == proposed
+    assert llm.engine.kv_manager.pool.num_used == 0 and llm.engine.proposer.kv.pool.num_used == 0  # shadows let go
+
+
+def test_a_draft_needs_the_targets_vocabulary(tiny_model_dir, tmp_path):
+    from tests.conftest import save_tiny_llama
+
+    save_tiny_llama(tmp_path, vocab_size=300)
+    with pytest.raises(KVServeError, match=r"draft's vocabulary \(300 tokens\) is not the target's \(256\)"):
+        LLM(str(tiny_model_dir), speculative=f"draft:model={tmp_path}")
+    with pytest.raises(KVServeError, match="self:layers must be in 1..1"):
+        LLM(str(tiny_model_dir), speculative="self:layers=2")
 
 
 # --- rollback: random acceptance lengths ---------------------------------------------------------------------------
@@ -204,6 +234,21 @@ def test_random_acceptance_lengths_keep_outputs_and_blocks(tiny_pair, seed, k, l
     assert _run(spec, prompts, params, poison=True) == reference
     assert spec.proposer.proposed > 0 or max(lengths) <= 2  # room for a guess and the token after it
     assert spec.scheduler.stats.num_accepted_tokens - accepted_before == spec.proposer.expected_accepted
+
+
+def test_a_self_draft_in_a_busy_small_pool_keeps_outputs_and_frees_its_blocks(tiny_model_dir_d32):
+    options = dict(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, **FP32)
+    plain = LLM(str(tiny_model_dir_d32), **options).engine
+    spec = LLM(str(tiny_model_dir_d32), speculative="self:layers=1,k=3,min_acceptance=0", **options).engine
+    prompts, params = [[(5 * i + j) % 256 for j in range(4 + 3 * i)] for i in range(5)], [greedy(n) for n in (9, 14, 5, 12, 7)]
+    assert _run(spec, prompts, params, poison=True) == _run(plain, prompts, params)
+    assert spec.scheduler.stats.num_draft_tokens > 0 and spec.proposer.kv.pool.num_used == 0
+    ids = [spec.add_request(p, greedy(20)) for p in prompts[:3]]
+    for _ in range(4):
+        spec.step()
+    for request_id in ids:
+        spec.abort_request(request_id)
+    assert spec.kv_manager.pool.num_used == 0 and spec.proposer.kv.pool.num_used == 0
 
 
 # --- sampling: the distribution is unchanged ------------------------------------------------------------------------

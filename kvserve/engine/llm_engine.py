@@ -20,7 +20,7 @@ from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import open_checkpoint
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode import parse_speculative
+from kvserve.spec_decode.proposers import parse_speculative
 
 
 @dataclass(slots=True)
@@ -59,6 +59,8 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}  # a request's completions, by index
         self.output = OutputProcessor(self.kv_manager, self.tokenizer, eos, self.max_request_tokens, self._finish)
         self.proposer = parse_speculative(config.speculative) if config.speculative else None
+        if self.proposer is not None:
+            self.proposer.start(self)
         self._ids = itertools.count()
         self.last_step = StepStats(0, 0, 0.0)
 
@@ -125,7 +127,7 @@ class LLMEngine:
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-            self.output.drop(seq)
+            self._release(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -156,11 +158,17 @@ class LLMEngine:
         return outputs
 
     def _propose(self) -> None:
-        """Guesses for each decoding sequence, never past max_tokens or the request's token limit."""
+        """Guesses for each decoding sequence, never past max_tokens or the request's token limit (the token
+        after the last guess comes too)."""
+        seqs, limits = [], []
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens == 1 and seq.params.max_tokens:
                 room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_request_tokens - seq.num_tokens) - 1
-                seq.draft_token_ids = self.proposer.propose(seq, room) if room > 0 else []
+                if room > 0 and self.proposer.wants(seq):
+                    seqs.append(seq)
+                    limits.append(room)
+        for seq, guesses in zip(seqs, self.proposer.propose(seqs, limits) if seqs else []):
+            seq.draft_token_ids = guesses
 
     def _verified(self, step: StepOutput) -> dict[Sequence, int]:
         """Each guessing sequence's rejected guesses (their K/V is rolled back); counts proposals and acceptances."""
@@ -197,7 +205,12 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
         self.output.drop(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq)
 
     def _request_output(self, request_id: str, deltas: dict) -> RequestOutput:
         seqs = self.requests[request_id]

@@ -42,14 +42,17 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig, max_model_len: int, layout: KVLayout, num_blocks: int,
-                 num_residual: int = 0):
+                 num_residual: int = 0, model: torch.nn.Module | None = None):
+        """`model`: one already built (a self-speculative draft runs the target's own first layers)."""
         self.config, self.device = config, config.torch_device
-        self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device)
         self.native = config.native_kernels and self.device.type == "cpu" and config.dtype == "float32" and native_ops()
-        if self.native:
-            self.model.use_native_kernels(load_gguf_blocks(checkpoint))
-        if config.bf16_matmuls:
-            self.model.use_bf16_matmuls()
+        self.model = model
+        if model is None:
+            self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device)
+            if self.native:
+                self.model.use_native_kernels(load_gguf_blocks(checkpoint))
+            if config.bf16_matmuls:
+                self.model.use_bf16_matmuls()
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
         self.sdpa = SDPABackend(self.kv_cache)
         self.backend = NativeCPUBackend(self.kv_cache) if self.native else self.sdpa

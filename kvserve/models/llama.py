@@ -77,11 +77,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states [T, hidden] for the step's flattened tokens."""
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] for the step's flattened tokens (after the first num_layers layers: a
+        self-speculative draft)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(ctx.positions, x.dtype)
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x = layer(x, cos, sin, ctx)
         return self.norm(x)
 
@@ -113,6 +114,21 @@ class LlamaForCausalLM(nn.Module):
             module.blocks = fused[f"{name}.weight"]
             assert module.blocks.shape[0] == module.out_features
         return len(layers)
+
+    def use_q8_blocks(self) -> None:
+        """Q8_0 blocks for every linear layer that has none, and native norms (a draft model: it reads 8.5 bits
+        per weight instead of 32 or 16)."""
+        self.use_native_kernels({})
+        for module in self.modules():
+            if isinstance(module, Linear) and module.blocks is None and module.in_features % 32 == 0:
+                module.blocks = _q8_blocks(module.weight)
+
+
+def _q8_blocks(weight: torch.Tensor) -> torch.Tensor:
+    import gguf
+
+    rows = weight.detach().float().cpu().numpy()
+    return torch.from_numpy(gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q8_0))
 
 
 def _fuse_hf_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -2,14 +2,10 @@
 all (the runner samples at every guess), `verify` keeps the guesses the samples confirm plus one sample, and the
 rejected positions' K/V are rolled back (engine/output.py).
 
-`speculative` is one string `NAME[:key=value,...]`, e.g. `ngram:k=4`.
+`speculative` (proposers.py) is one string `NAME[:key=value,...]`: `ngram:k=4` (prompt lookup),
+`draft:model=PATH,k=4` (a small model with the target's tokenizer), `self:layers=10` (the target's first layers).
 """
 from __future__ import annotations
-
-from kvserve.errors import KVServeError
-from kvserve.spec_decode.ngram import NgramProposer
-
-PROPOSERS = {"ngram": NgramProposer}
 
 
 def verify(guesses: list[int], samples: list[int]) -> list[int]:
@@ -22,23 +18,3 @@ def verify(guesses: list[int], samples: list[int]) -> list[int]:
     while kept < len(guesses) and samples[kept] == guesses[kept]:
         kept += 1
     return guesses[:kept] + [samples[kept]]
-
-
-def parse_speculative(text: str):
-    """'ngram:k=4,n=3' -> a proposer; a clear error naming what is wrong."""
-    name, _, args = text.partition(":")
-    if name not in PROPOSERS:
-        raise KVServeError(f"unknown speculative proposer {name!r}; choose from {', '.join(PROPOSERS)}")
-    options = {}
-    for item in filter(None, (part.strip() for part in args.split(","))):
-        key, sep, value = (s.strip() for s in item.partition("="))
-        try:
-            options[key] = int(value)
-        except ValueError:
-            raise KVServeError(f"speculative option {item!r} is not name=integer") from None
-        if not sep:
-            raise KVServeError(f"speculative option {item!r} is not name=integer")
-    try:
-        return PROPOSERS[name](**options)
-    except TypeError as e:
-        raise KVServeError(f"bad options for the {name} proposer: {e}") from None

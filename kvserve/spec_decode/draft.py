@@ -1,0 +1,133 @@
+"""Model drafts: a small model with the target's tokenizer (`draft:model=PATH`), or the target's own first
+layers with its final norm and LM head (`self:layers=N`, layer-skip style: no second model, no training).
+
+The draft keeps its own paged KV cache (a KVManager and KVCache of its own, the target's block size and token
+capacity) through a shadow of each target sequence. Before proposing, a shadow drops what it computed past
+the tokens the target kept and catches up on the rest; then k greedy steps run for every proposing sequence
+at once. Greedy guesses are point-mass proposals, so verification stays lossless at any temperature.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.scheduler import ScheduledBatch
+from kvserve.engine.sequence import Sequence
+from kvserve.errors import KVServeError
+from kvserve.kv.manager import KVManager
+from kvserve.kv.spec import build_layout
+from kvserve.memory import spec_from_hf_config
+from kvserve.models.loader import Checkpoint, open_checkpoint
+from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.proposer import Proposer, check_ints
+
+GREEDY = SamplingParams(temperature=0, max_tokens=1)
+
+
+class ModelProposer(Proposer):
+    def __init__(self, k: int, min_acceptance: int, window: int):
+        super().__init__(k, min_acceptance, window)
+        self.runner: ModelRunner | None = None
+        self.kv: KVManager | None = None
+
+    def draft(self, engine) -> tuple[Checkpoint, dict, torch.nn.Module | None]:
+        """The draft's checkpoint, its HF config (for its KV layout) and, if it is not loaded from the
+        checkpoint, its model."""
+        raise NotImplementedError
+
+    def start(self, engine) -> None:
+        checkpoint, hf_config, model = self.draft(engine)
+        if checkpoint.config.vocab_size != engine.checkpoint.config.vocab_size:
+            raise KVServeError(f"the draft's vocabulary ({checkpoint.config.vocab_size} tokens) is not the target's "
+                               f"({engine.checkpoint.config.vocab_size}); a draft needs the target's tokenizer")
+        config = dataclasses.replace(engine.config, model=checkpoint.name, speculative=None, kv_cache_dtype="auto",
+                                     cache_type_k=None, cache_type_v=None, enable_prefix_caching=False)
+        layout = build_layout(spec_from_hf_config(hf_config, checkpoint.name), *config.kv_dtypes, config.block_size)
+        num_blocks = engine.kv_manager.num_blocks // len(engine.layout.groups) * len(layout.groups)  # the target's tokens
+        self.runner = ModelRunner(checkpoint, config, engine.max_model_len, layout, num_blocks, model=model)
+        if model is None and self.runner.native:
+            self.runner.model.use_q8_blocks()  # a draft's speed matters, not its last digit
+        self.kv = KVManager(layout, num_blocks, 0, enable_prefix_caching=False, salt="draft")
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        guesses: dict[Sequence, list[int]] = {}
+        shadows = {self._sync(seq): (seq, min(self.k, limit)) for seq, limit in zip(seqs, limits)}
+        for _ in range(self.k):
+            batch = ScheduledBatch()
+            for shadow, (seq, want) in shadows.items():
+                if len(guesses.get(seq, ())) < want and self.kv.allocate_slots(shadow, shadow.num_uncomputed_tokens):
+                    batch.add(shadow, shadow.num_uncomputed_tokens)
+            if not batch.seqs:
+                break
+            step = self.runner.execute(batch)
+            for shadow, n in zip(batch.seqs, batch.num_tokens):
+                shadow.num_computed_tokens += n
+            for shadow, tokens in zip(step.seqs, step.tokens):
+                shadow.token_ids.append(tokens[0])
+                guesses.setdefault(shadows[shadow][0], []).append(tokens[0])
+        return [guesses.get(seq, []) for seq in seqs]
+
+    def _sync(self, seq: Sequence) -> Sequence:
+        """The sequence's shadow, holding its tokens, with K/V kept for the longest prefix both still share."""
+        state = self.state(seq)
+        shadow = state.own
+        if shadow is None:
+            shadow = state.own = Sequence(seq.request_id, None, seq.token_ids[:seq.num_prompt_tokens], GREEDY,
+                                          len(self.kv.layout.groups))
+        mine, theirs = shadow.token_ids, seq.token_ids
+        same = shadow.num_computed_tokens
+        while same > 0 and (same > len(theirs) or mine[same - 1] != theirs[same - 1]):
+            same -= 1  # only guesses the target rejected differ: a few steps back at most
+        shadow.token_ids = list(theirs)
+        if same < shadow.num_computed_tokens:
+            shadow.num_computed_tokens = same
+            self.kv.truncate(shadow)
+        return shadow
+
+    def forget(self, seq: Sequence) -> None:
+        if seq.spec_state is not None and seq.spec_state.own is not None:
+            self.kv.free(seq.spec_state.own)
+            seq.spec_state.own = None
+
+
+class DraftProposer(ModelProposer):
+    def __init__(self, model: str = "", k: int = 4, min_acceptance: int = 20, window: int = 32):
+        super().__init__(k, min_acceptance, window)
+        if not model or not isinstance(model, str):
+            raise KVServeError("the draft proposer needs model=PATH (a Hugging Face directory or .gguf file)")
+        self.model = model
+
+    def draft(self, engine) -> tuple[Checkpoint, dict, None]:
+        checkpoint = open_checkpoint(self.model)
+        return checkpoint, checkpoint.hf_config, None
+
+
+class SelfProposer(ModelProposer):
+    def __init__(self, layers: int = 0, k: int = 3, min_acceptance: int = 20, window: int = 32):
+        super().__init__(k, min_acceptance, window)
+        check_ints(layers=layers)
+        self.layers = layers
+
+    def draft(self, engine) -> tuple[Checkpoint, dict, torch.nn.Module]:
+        total = engine.checkpoint.config.num_layers
+        if not 1 <= self.layers < total:
+            raise KVServeError(f"self:layers must be in 1..{total - 1} for this model, got {self.layers}")
+        hf_config = {**engine.checkpoint.hf_config, "num_hidden_layers": self.layers}
+        hf_config.pop("layer_types", None)
+        return engine.checkpoint, hf_config, FirstLayers(engine.runner.model, self.layers)
+
+
+class FirstLayers(torch.nn.Module):
+    """The target's first layers, final norm and LM head, sharing its weights."""
+
+    def __init__(self, model: torch.nn.Module, num_layers: int):
+        super().__init__()
+        self.target, self.num_layers = model, num_layers
+
+    def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+        return self.target(input_ids, ctx, self.num_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden)
