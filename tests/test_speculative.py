@@ -114,8 +114,12 @@ def test_a_sequence_whose_guesses_fail_is_paused():
     assert proposer.wants(seq)  # 2 of 4: too few guesses yet to judge
     proposer.record(seq, 4, 1)  # 3 of 8 accepted
     assert [proposer.wants(seq) for _ in range(9)] == [False] * 8 + [True]  # paused for the window, then tries again
+    proposer.record(seq, 8, 1)
+    assert [proposer.wants(seq) for _ in range(17)] == [False] * 16 + [True]  # failing again: paused twice as long
     proposer.record(seq, 8, 4)
     assert proposer.wants(seq)  # 50%: not below the bar
+    proposer.record(seq, 8, 0)
+    assert [proposer.wants(seq) for _ in range(9)] == [False] * 8 + [True]  # a good window reset the pauses
 
 
 @pytest.mark.parametrize("text, message", [
@@ -309,3 +313,31 @@ def test_server_reports_speculation_in_usage_and_metrics():
                    if line.startswith("kvserve:spec_decode")}
         assert metrics["kvserve:spec_decode_num_draft_tokens_total"] == spec["draft_tokens"]
         assert metrics["kvserve:spec_decode_num_accepted_tokens_total"] == spec["accepted_tokens"]
+
+
+# --- kvserve distill --------------------------------------------------------------------------------------------------
+
+def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
+    from tests.conftest import save_tiny_llama
+
+    from kvserve.spec_decode.distill import DistillSettings, distill
+
+    save_tiny_llama(tmp_path / "target", num_hidden_layers=4, initializer_range=0.2)  # peaked distributions to learn
+    rng = random.Random(0)
+    text = [rng.randrange(256) for _ in range(3000)]
+    settings = DistillSettings(model=str(tmp_path / "target"), out=str(tmp_path / "draft"), layers=2, steps=80, batch=4,
+                               seq_len=32, lr=3e-3, eval_windows=4, acceptance_prompts=2)
+    report = distill(settings, token_ids=text, progress=False)
+    assert report["kept_layers"] == [0, 3]
+    assert report["after"]["kl_mean"] < 0.8 * report["before"]["kl_mean"]  # closer to the target on held-out text
+    assert sum(report["losses"][-5:]) < sum(report["losses"][:5])
+    assert (tmp_path / "draft" / "loss.png").stat().st_size > 0
+    assert report["acceptance"]["draft_tokens"] > 0
+    draft = LLM(str(tmp_path / "draft"))
+    assert draft.engine.checkpoint.config.num_layers == 2
+    target = LLM(str(tmp_path / "target"), **FP32)
+    spec = LLM(str(tmp_path / "target"), speculative=f"draft:model={tmp_path / 'draft'},min_acceptance=0", **FP32)
+    prompts = [text[:20], text[100:110]]
+    plain_out, spec_out = target.generate(prompts, greedy(24), use_tqdm=False), spec.generate(prompts, greedy(24), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec_out] == [o.outputs[0].token_ids for o in plain_out]
+    assert sum(o.metrics.num_accepted_tokens for o in spec_out) > 0

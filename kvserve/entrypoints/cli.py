@@ -1,10 +1,12 @@
-"""The `kvserve` command: generate, chat, serve, memory, eval."""
+"""The `kvserve` command: generate, chat, serve, memory, eval, distill."""
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from kvserve.config import EngineConfig
 from kvserve.errors import KVServeError
@@ -203,7 +205,6 @@ def _percent_list(text: str) -> list[int]:
 
 
 def cmd_memory(args: argparse.Namespace) -> None:
-    import json
 
     from kvserve.config import parse_size
     from kvserve.memory import DEVICES, Device, PlanRequest, load_spec, plan
@@ -252,7 +253,6 @@ def _add_memory_parser(sub) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    import json
 
     from kvserve.eval import EvalSettings, run_eval
     from kvserve.eval.report import plot, render
@@ -294,6 +294,42 @@ def _add_eval_parser(sub) -> None:
     ev.set_defaults(func=cmd_eval)
 
 
+def cmd_distill(args: argparse.Namespace) -> None:
+    from kvserve.spec_decode.distill import DistillSettings, distill
+
+    settings = DistillSettings(model=args.model, out=args.out, layers=args.layers, steps=args.steps, batch=args.batch,
+                               seq_len=args.seq_len, lr=args.lr, temperature=args.temperature, text=args.text, seed=args.seed)
+    report = distill(settings)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    b, a, acc = report["before"], report["after"], report["acceptance"]
+    print(f"draft: {args.out} (layers {report['kept_layers']} of {args.model}); loss curve: {Path(args.out) / 'loss.png'}")
+    print(f"perplexity on held-out text: target {report['target_perplexity']:.2f}, draft {b['perplexity']:.2f} pruned "
+          f"-> {a['perplexity']:.2f} distilled; KL to the target {b['kl_mean']:.3f} -> {a['kl_mean']:.3f}")
+    print(f"acceptance (greedy, k=4): {acc['accepted_tokens']}/{acc['draft_tokens']} = {acc['rate']:.1%}")
+    print(f"use it: kvserve generate --speculative draft:model={args.out} --prompt ...")
+
+
+def _add_distill_parser(sub) -> None:
+    from kvserve.spec_decode.distill import DistillSettings
+
+    d = DistillSettings()
+    di = sub.add_parser("distill", help="make a speculative-decoding draft from the model: prune layers, then distill")
+    di.add_argument("--model", default=d.model)
+    di.add_argument("--out", default=d.out, help="directory the draft is saved to (Hugging Face format)")
+    di.add_argument("--layers", type=int, default=d.layers, help="decoder layers kept: the first LAYERS-1 and the last")
+    di.add_argument("--steps", type=int, default=d.steps)
+    di.add_argument("--batch", type=int, default=d.batch, help="windows per step")
+    di.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per window")
+    di.add_argument("--lr", type=float, default=d.lr)
+    di.add_argument("--temperature", type=float, default=d.temperature, help="softens both distributions in the KL loss")
+    di.add_argument("--text", default=None, help="a text file (default: Python's own documentation, pydoc_data.topics)")
+    di.add_argument("--seed", type=int, default=d.seed)
+    di.add_argument("--json", action="store_true")
+    di.set_defaults(func=cmd_distill)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="A small LLM inference engine built around the KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -311,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_memory_parser(sub)
     _add_eval_parser(sub)
+    _add_distill_parser(sub)
     return parser
 
 

@@ -13,6 +13,7 @@ class SpecState:
 
     def __init__(self):
         self.paused = 0  # steps left without guesses
+        self.strikes = 0  # pauses in a row: each lasts twice as long as the one before
         self.history: deque[tuple[int, int]] = deque()  # (proposed, accepted) per verification
         self.own: Any = None
 
@@ -26,7 +27,7 @@ def check_ints(**options) -> None:
 class Proposer:
     def __init__(self, k: int, min_acceptance: int, window: int):
         """A sequence whose last `window` proposed tokens were accepted less than min_acceptance percent of the
-        time gets no guesses for `window` steps."""
+        time gets no guesses for `window` steps, twice as many after each further failing window (up to 32x)."""
         check_ints(k=k, min_acceptance=min_acceptance, window=window)
         if not 1 <= k <= 16 or not 0 <= min_acceptance <= 100 or window < 1:
             raise KVServeError(f"speculative decoding needs 1 <= k <= 16, 0 <= min_acceptance <= 100 and window >= 1, "
@@ -55,8 +56,13 @@ class Proposer:
         total = sum(p for p, _ in state.history)
         while total - state.history[0][0] >= self.window:
             total -= state.history.popleft()[0]
-        if total >= self.window and 100 * sum(a for _, a in state.history) < self.min_acceptance * total:
-            state.paused, state.history = self.window, deque()
+        if total < self.window:
+            return
+        if 100 * sum(a for _, a in state.history) < self.min_acceptance * total:
+            state.paused, state.history = self.window << min(state.strikes, 5), deque()
+            state.strikes += 1
+        else:
+            state.strikes = 0
 
     def forget(self, seq) -> None:
         """The sequence finished: let go of what the proposer holds for it."""

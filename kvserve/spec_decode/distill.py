@@ -1,0 +1,180 @@
+"""`kvserve distill`: a draft model made from the target by pruning and distillation, on CPU in minutes.
+
+Pruning keeps the target's first `layers - 1` decoder layers and its last one (deep middle layers change the
+residual stream least), with its embeddings, final norm and LM head. Distillation then trains the kept layers
+and norms (the embedding, tied to the head, stays frozen) to match the target's next-token distributions,
+softened by a temperature, with Hinton's KL loss. The teacher is kvserve itself: the target scores each batch's
+windows through its paged cache (SamplingParams(prompt_distributions=True)). The student is a transformers
+Llama (training is not what kvserve is for), saved as a Hugging Face directory that LLM(...) and
+`--speculative draft:model=DIR` load.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from kvserve.entrypoints.llm import LLM
+from kvserve.errors import KVServeError
+from kvserve.models.gguf_convert import converted_dir
+from kvserve.sampling_params import SamplingParams
+
+TEACHER = SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_distributions=True)
+
+
+@dataclass(slots=True)
+class DistillSettings:
+    model: str = "smollm2-135m"
+    out: str = "draft"
+    layers: int = 10  # decoder layers kept: the first layers - 1 and the last
+    steps: int = 60
+    batch: int = 4  # windows per step
+    seq_len: int = 128  # tokens per window
+    lr: float = 5e-4
+    temperature: float = 2.0
+    text: str | None = None  # a file; None: Python's own documentation
+    eval_windows: int = 8  # held-out windows (the text's start) for perplexity and KL
+    acceptance_prompts: int = 4  # held-out prompts for the draft's acceptance rate
+    seed: int = 0
+
+
+def distill(settings: DistillSettings, token_ids: list[int] | None = None, progress: bool = True) -> dict:
+    """Prune, distill and save; returns the report (losses, perplexity and KL before and after, acceptance)."""
+    torch.manual_seed(settings.seed)
+    teacher = LLM(settings.model, matmul_dtype="float32", max_num_batched_tokens=max(512, settings.batch * settings.seq_len))
+    ids = token_ids if token_ids is not None else _text_ids(teacher, settings.text)
+    held_out = settings.eval_windows * settings.seq_len
+    if len(ids) < held_out + 2 * settings.seq_len:
+        raise KVServeError(f"the text has {len(ids)} tokens; distillation needs at least {held_out + 2 * settings.seq_len}")
+    evaluation = [ids[i:i + settings.seq_len] for i in range(0, held_out, settings.seq_len)]
+    train, rng = ids[held_out:], random.Random(settings.seed)
+    student = prune(teacher, settings.layers)
+    before = evaluate(student, teacher, evaluation)
+    params = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / settings.steps)))
+    losses = []
+    bar = tqdm(range(settings.steps), desc="distill", unit="step", disable=not progress)
+    for _ in bar:
+        starts = [rng.randrange(len(train) - settings.seq_len) for _ in range(settings.batch)]
+        windows = [train[s:s + settings.seq_len] for s in starts]
+        loss = kl_loss(student, _teacher_logprobs(teacher, windows), windows, settings.temperature)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        bar.set_postfix_str(f"loss {losses[-1]:.3f}")
+    after = evaluate(student, teacher, evaluation)
+    out = Path(settings.out)
+    save(student, teacher, out)
+    report = {"settings": asdict(settings), "kept_layers": kept_layers(teacher, settings.layers), "losses": losses,
+              "target_perplexity": before["target_perplexity"], "before": before["student"], "after": after["student"],
+              "acceptance": acceptance(settings.model, out, evaluation[:settings.acceptance_prompts])}
+    plot_losses(losses, out / "loss.png")
+    return report
+
+
+def prune(teacher: LLM, layers: int):
+    """The target as a transformers Llama with `layers` of its decoder layers: the first layers - 1 and the last."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = teacher.engine.checkpoint
+    total = checkpoint.config.num_layers
+    if not 1 <= layers < total:
+        raise KVServeError(f"--layers must be in 1..{total - 1} for {checkpoint.name}, got {layers}")
+    directory = converted_dir(checkpoint.path) if checkpoint.path.suffix == ".gguf" else checkpoint.path
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    keep = kept_layers(teacher, layers)
+    model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in keep)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.layer_idx = i
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in keep]
+    model.get_input_embeddings().weight.requires_grad_(False)  # tied to the LM head in SmolLM2: stays the target's
+    model.get_output_embeddings().weight.requires_grad_(False)
+    return model
+
+
+def kept_layers(teacher: LLM, layers: int) -> list[int]:
+    return list(range(layers - 1)) + [teacher.engine.checkpoint.config.num_layers - 1]
+
+
+def kl_loss(student, teacher_logprobs: torch.Tensor, windows: list[list[int]], temperature: float) -> torch.Tensor:
+    """KL(teacher || student) of the temperature-softened next-token distributions, times T^2 (Hinton)."""
+    logits = student(torch.tensor(windows)).logits[:, :-1].float()
+    soft_teacher = F.log_softmax(teacher_logprobs / temperature, dim=-1)
+    soft_student = F.log_softmax(logits / temperature, dim=-1)
+    kl = F.kl_div(soft_student.flatten(0, 1), soft_teacher.flatten(0, 1), log_target=True, reduction="batchmean")
+    return kl * temperature**2
+
+
+@torch.no_grad()
+def evaluate(student, teacher: LLM, windows: list[list[int]]) -> dict:
+    """The student's perplexity on the windows and its mean KL from the target; the target's perplexity."""
+    nll = kl = target_nll = 0.0
+    count = 0
+    for window in windows:
+        target = _teacher_logprobs(teacher, [window])[0]
+        logp = F.log_softmax(student(torch.tensor([window])).logits[0, :-1].float(), dim=-1)
+        next_ids = torch.tensor(window[1:])[:, None]
+        nll -= float(logp.gather(1, next_ids).sum())
+        target_nll -= float(target.gather(1, next_ids).sum())
+        kl += float((target.exp() * (target - logp)).sum())
+        count += len(window) - 1
+    return {"student": {"perplexity": math.exp(nll / count), "kl_mean": kl / count},
+            "target_perplexity": math.exp(target_nll / count)}
+
+
+def acceptance(model: str, draft: Path, windows: list[list[int]]) -> dict:
+    """Greedy speculative decoding with the saved draft on held-out prompts: the share of guesses kept."""
+    llm = LLM(model, speculative=f"draft:model={draft},k=4,min_acceptance=0")
+    outs = llm.generate([w[: len(w) // 2] for w in windows], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+                        use_tqdm=False)
+    proposed = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    return {"draft_tokens": proposed, "accepted_tokens": accepted, "rate": accepted / proposed if proposed else 0.0}
+
+
+def save(student, teacher: LLM, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    student.save_pretrained(out)
+    tokenizer = teacher.engine.checkpoint.tokenizer
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def plot_losses(losses: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL to the target (x T^2)")
+    ax.set_title("distillation loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _text_ids(teacher: LLM, path: str | None) -> list[int]:
+    from kvserve.eval.text import load_text
+
+    return teacher.engine.tokenize(load_text(path), add_special_tokens=False)
+
+
+def _teacher_logprobs(teacher: LLM, windows: list[list[int]]) -> torch.Tensor:
+    """[windows, tokens - 1, vocab]: the target's log-probabilities of each window's next tokens."""
+    outs = teacher.generate(windows, TEACHER, use_tqdm=False)
+    return torch.stack([o.prompt_distributions.float() for o in outs])
