@@ -58,7 +58,7 @@ def run(llm: LLM, name: str, prompts: list[str], max_tokens: int) -> tuple[float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--speculative", nargs="+", default=["ngram:k=4", "ngram:k=8"])
+    parser.add_argument("--speculative", nargs="+", default=["ngram", "ngram:k=3"])
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", default="copy,open,batch")

@@ -1,5 +1,6 @@
-"""Property-based, for every KV layout: random arrivals, lengths, aborts and tiny pools never leak, double free
-or deadlock, and prefix-cache hits still happen."""
+"""Property-based, for every KV layout, with and without speculative decoding (its rollbacks, a draft's own pool):
+random arrivals, lengths, aborts and tiny pools never leak, double free or deadlock, and prefix-cache hits still
+happen."""
 from __future__ import annotations
 
 import pytest
@@ -41,12 +42,12 @@ request = st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(1, 12), s
 def engines(tiny_model_dir_d32):
     cache = {}
 
-    def get(num_blocks, budget, mode, prefix, layout):
-        key = (num_blocks, budget, mode, prefix, layout)
+    def get(num_blocks, budget, mode, prefix, layout, speculative):
+        key = (num_blocks, budget, mode, prefix, layout, speculative)
         if key not in cache:
             cache[key] = LLM(str(tiny_model_dir_d32), num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
                              max_num_seqs=4, preemption_mode=mode, enable_prefix_caching=prefix, kv_cache_dtype=layout,
-                             kivi_residual=8).engine
+                             kivi_residual=8, speculative=speculative).engine
         return cache[key]
     return get
 
@@ -54,9 +55,11 @@ def engines(tiny_model_dir_d32):
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(num_blocks=st.sampled_from([4, 6, 10]), budget=st.sampled_from([3, 8, 64]), mode=st.sampled_from(["recompute", "swap"]),
        prefix=st.booleans(), layout=st.sampled_from(LAYOUTS), requests=st.lists(request, min_size=1, max_size=8),
-       abort_at=st.lists(st.integers(0, 30), max_size=3))
-def test_random_workloads_never_leak_or_deadlock(engines, num_blocks, budget, mode, prefix, layout, requests, abort_at):
-    engine = engines(num_blocks, budget, mode, prefix, layout)
+       abort_at=st.lists(st.integers(0, 30), max_size=3),
+       speculative=st.sampled_from([None, "ngram:k=3,min_n=1,min_acceptance=0", "self:layers=1,k=2,min_acceptance=0"]))
+def test_random_workloads_never_leak_or_deadlock(engines, num_blocks, budget, mode, prefix, layout, requests, abort_at,
+                                                 speculative):
+    engine = engines(num_blocks, budget, mode, prefix, layout, speculative)
     pending = list(requests)  # (prefix index or 2 for none, extra tokens, max_tokens, arrival step, n)
     ids, finished, step = [], set(), 0
     while pending or engine.has_unfinished_requests():
@@ -76,5 +79,6 @@ def test_random_workloads_never_leak_or_deadlock(engines, num_blocks, budget, mo
         assert step < 2000, "no progress: deadlock"
     kv = engine.kv_manager
     assert kv.pool.num_used == 0 and all(b.ref_count == 0 for b in kv.pool.blocks)
+    assert speculative is None or getattr(engine.proposer, "kv", kv).pool.num_used == 0  # a draft's shadows let go
     assert not kv.residual or kv.residual.num_used == 0
     assert not engine.requests

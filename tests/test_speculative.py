@@ -99,27 +99,41 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match():
     proposer = NgramProposer(k=3, n=3, min_n=1)
     propose = lambda seq, limit: proposer.propose([seq], [limit])[0]  # noqa: E731
     seq = _Seq([5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 4, 0, 6, 7])
-    assert propose(seq, 10) == [3, 4, 0]  # "6 7" last seen before "3 4 0"; no 3-gram "0 6 7" earlier
+    assert propose(seq, 3) == [3, 4, 0]  # "6 7" last seen before "3 4 0"; no 3-gram "0 6 7" earlier
     seq.token_ids += [8]
-    assert propose(seq, 10) == [9, 1, 2]  # "6 7 8" occurred: the longest n wins
-    assert propose(seq, 2) == [9, 1]  # never past the room left
+    assert propose(seq, 3) == [9, 1, 2]  # "6 7 8" occurred: the longest n wins
+    assert propose(seq, 2) == [9, 1]  # never past the limit
+    assert propose(seq, 20) == [9, 1, 2, 6, 7, 3, 4, 0, 6, 7, 8]  # nor past the text
     assert propose(_Seq([1, 2, 3]), 4) == []
 
 
 def test_a_sequence_whose_guesses_fail_is_paused():
     proposer = NgramProposer(k=4, n=1, min_n=1, min_acceptance=50, window=8)
-    seq = _Seq([1, 2, 1, 2, 1])
-    assert proposer.wants(seq)
+    seq, other = _Seq([1, 2, 1, 2, 1]), _Seq([3, 3, 3])
+    assert proposer.lookahead(seq) == 4
     proposer.record(seq, 4, 2)
-    assert proposer.wants(seq)  # 2 of 4: too few guesses yet to judge
+    assert proposer.lookahead(seq) == 3  # one past the last accepted token; 2 of 4: too few guesses yet to judge
     proposer.record(seq, 4, 1)  # 3 of 8 accepted
-    assert [proposer.wants(seq) for _ in range(9)] == [False] * 8 + [True]  # paused for the window, then tries again
+    assert [proposer.lookahead(seq) for _ in range(9)] == [0] * 8 + [2]  # paused for the window, then tries again
+    assert proposer.lookahead(other) == 4  # ngram: each sequence has its own gate
     proposer.record(seq, 8, 1)
-    assert [proposer.wants(seq) for _ in range(17)] == [False] * 16 + [True]  # failing again: paused twice as long
+    assert [proposer.lookahead(seq) > 0 for _ in range(17)] == [False] * 16 + [True]  # failing again: twice as long
+    proposer.record(seq, 2, 2)
+    assert proposer.lookahead(seq) == 4  # all kept: doubled (up to k)
     proposer.record(seq, 8, 4)
-    assert proposer.wants(seq)  # 50%: not below the bar
+    assert proposer.lookahead(seq) > 0  # 50%: not below the bar
     proposer.record(seq, 8, 0)
-    assert [proposer.wants(seq) for _ in range(9)] == [False] * 8 + [True]  # a good window reset the pauses
+    assert [proposer.lookahead(seq) > 0 for _ in range(9)] == [False] * 8 + [True]  # a good window reset the pauses
+
+
+def test_a_model_drafts_gate_is_shared_by_all_sequences():
+    from kvserve.spec_decode.draft import SelfProposer
+
+    proposer = SelfProposer(layers=1, k=3, min_acceptance=50, window=6)
+    first, second = _Seq([1]), _Seq([2])
+    proposer.record(first, 3, 0)
+    proposer.record(second, 3, 1)
+    assert proposer.lookahead(first) == 0 and proposer.lookahead(_Seq([3])) == 0  # a new sequence waits too
 
 
 @pytest.mark.parametrize("text, message", [
@@ -175,6 +189,8 @@ def test_model_drafts_keep_greedy_outputs(smollm2, speculative):
     params = [greedy(40), greedy(24), greedy(30)]
     llm = LLM("smollm2-135m", speculative=speculative, **FP32)
     plain, spec = smollm2.generate(prompts, params, use_tqdm=False), llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts[2], params[2], use_tqdm=False)[0]  # its prompt's blocks are cached now
+    assert again.metrics.cached_tokens > 0 and again.outputs[0].token_ids == plain[2].outputs[0].token_ids
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     proposed, accepted = (sum(getattr(o.metrics, f) for o in spec) for f in ("num_draft_tokens", "num_accepted_tokens"))
     assert accepted > 0

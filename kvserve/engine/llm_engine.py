@@ -164,9 +164,10 @@ class LLMEngine:
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens == 1 and seq.params.max_tokens:
                 room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_request_tokens - seq.num_tokens) - 1
-                if room > 0 and self.proposer.wants(seq):
+                limit = min(room, self.proposer.lookahead(seq)) if room > 0 else 0
+                if limit > 0:
                     seqs.append(seq)
-                    limits.append(room)
+                    limits.append(limit)
         for seq, guesses in zip(seqs, self.proposer.propose(seqs, limits) if seqs else []):
             seq.draft_token_ids = guesses
 

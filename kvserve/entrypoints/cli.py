@@ -318,7 +318,7 @@ def _add_distill_parser(sub) -> None:
     di = sub.add_parser("distill", help="make a speculative-decoding draft from the model: prune layers, then distill")
     di.add_argument("--model", default=d.model)
     di.add_argument("--out", default=d.out, help="directory the draft is saved to (Hugging Face format)")
-    di.add_argument("--layers", type=int, default=d.layers, help="decoder layers kept: the first LAYERS-1 and the last")
+    di.add_argument("--layers", type=int, default=d.layers, help="decoder layers kept: the first ones and the last LAYERS // 3")
     di.add_argument("--steps", type=int, default=d.steps)
     di.add_argument("--batch", type=int, default=d.batch, help="windows per step")
     di.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per window")

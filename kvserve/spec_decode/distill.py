@@ -1,7 +1,8 @@
 """`kvserve distill`: a draft model made from the target by pruning and distillation, on CPU in minutes.
 
-Pruning keeps the target's first `layers - 1` decoder layers and its last one (deep middle layers change the
-residual stream least), with its embeddings, final norm and LM head. Distillation then trains the kept layers
+Pruning keeps the target's first decoder layers and its last third of `layers` (deep middle layers change the
+residual stream least; SmolLM2 pruned to 10 layers starts at KL 8.7 from the target keeping the first 7 and last
+3, 15.9 keeping the first 9 and last 1, 17.3 keeping the first 10), with its embeddings, final norm and LM head. Distillation then trains the kept layers
 and norms (the embedding, tied to the head, stays frozen) to match the target's next-token distributions,
 softened by a temperature, with Hinton's KL loss. The teacher is kvserve itself: the target scores each batch's
 windows through its paged cache (SamplingParams(prompt_distributions=True)). The student is a transformers
@@ -31,7 +32,7 @@ TEACHER = SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_distributions=T
 class DistillSettings:
     model: str = "smollm2-135m"
     out: str = "draft"
-    layers: int = 10  # decoder layers kept: the first layers - 1 and the last
+    layers: int = 10  # decoder layers kept: the first ones and the last layers // 3 (at least 1)
     steps: int = 60
     batch: int = 4  # windows per step
     seq_len: int = 128  # tokens per window
@@ -82,7 +83,7 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
 
 
 def prune(teacher: LLM, layers: int):
-    """The target as a transformers Llama with `layers` of its decoder layers: the first layers - 1 and the last."""
+    """The target as a transformers Llama with `layers` of its decoder layers (kept_layers)."""
     from transformers import AutoModelForCausalLM
 
     checkpoint = teacher.engine.checkpoint
@@ -104,7 +105,9 @@ def prune(teacher: LLM, layers: int):
 
 
 def kept_layers(teacher: LLM, layers: int) -> list[int]:
-    return list(range(layers - 1)) + [teacher.engine.checkpoint.config.num_layers - 1]
+    """The first layers and the last layers // 3 (at least 1)."""
+    total, last = teacher.engine.checkpoint.config.num_layers, max(1, layers // 3)
+    return list(range(layers - last)) + list(range(total - last, total))
 
 
 def kl_loss(student, teacher_logprobs: torch.Tensor, windows: list[list[int]], temperature: float) -> torch.Tensor:

@@ -27,6 +27,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=1)
 
 
 class ModelProposer(Proposer):
+    shared_gate = True
+
     def __init__(self, k: int, min_acceptance: int, window: int):
         super().__init__(k, min_acceptance, window)
         self.runner: ModelRunner | None = None
@@ -53,8 +55,8 @@ class ModelProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         guesses: dict[Sequence, list[int]] = {}
-        shadows = {self._sync(seq): (seq, min(self.k, limit)) for seq, limit in zip(seqs, limits)}
-        for _ in range(self.k):
+        shadows = {self._sync(seq): (seq, limit) for seq, limit in zip(seqs, limits)}
+        for _ in range(max(limits, default=0)):
             batch = ScheduledBatch()
             for shadow, (seq, want) in shadows.items():
                 if len(guesses.get(seq, ())) < want and self.kv.allocate_slots(shadow, shadow.num_uncomputed_tokens):
@@ -93,7 +95,7 @@ class ModelProposer(Proposer):
 
 
 class DraftProposer(ModelProposer):
-    def __init__(self, model: str = "", k: int = 4, min_acceptance: int = 20, window: int = 32):
+    def __init__(self, model: str = "", k: int = 4, min_acceptance: int = 50, window: int = 16):
         super().__init__(k, min_acceptance, window)
         if not model or not isinstance(model, str):
             raise KVServeError("the draft proposer needs model=PATH (a Hugging Face directory or .gguf file)")
@@ -105,7 +107,7 @@ class DraftProposer(ModelProposer):
 
 
 class SelfProposer(ModelProposer):
-    def __init__(self, layers: int = 0, k: int = 3, min_acceptance: int = 20, window: int = 32):
+    def __init__(self, layers: int = 0, k: int = 3, min_acceptance: int = 50, window: int = 16):
         super().__init__(k, min_acceptance, window)
         check_ints(layers=layers)
         self.layers = layers

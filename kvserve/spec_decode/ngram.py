@@ -8,8 +8,9 @@ from kvserve.spec_decode.proposer import Proposer, check_ints
 
 
 class NgramProposer(Proposer):
-    def __init__(self, k: int = 4, n: int = 3, min_n: int = 2, min_acceptance: int = 20, window: int = 32):
-        """k tokens per proposal from the longest matching n-gram (n down to min_n)."""
+    def __init__(self, k: int = 5, n: int = 3, min_n: int = 2, min_acceptance: int = 20, window: int = 32):
+        """Up to k tokens per proposal from the longest matching n-gram (n down to min_n). k = 5 keeps a guessing
+        sequence's step at 6 rows, where bf16 models still multiply through the GGUF blocks (layers/linear.py)."""
         super().__init__(k, min_acceptance, window)
         check_ints(n=n, min_n=min_n)
         if not 1 <= min_n <= n <= 8:
@@ -27,7 +28,7 @@ class NgramProposer(Proposer):
         for n in range(self.n, self.min_n - 1, -1):
             start = index.last_seen[n - self.min_n].get(tuple(tokens[-n:])) if len(tokens) > n else None
             if start is not None:
-                return tokens[start + n:start + n + min(self.k, limit)]
+                return tokens[start + n:start + n + limit]
         return []
 
 

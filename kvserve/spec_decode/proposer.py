@@ -1,5 +1,5 @@
-"""What every proposer shares: k, and switching speculation off for a sequence whose guesses keep failing
-(a rejected guess costs a verification row, and a model draft its own forward passes)."""
+"""What every proposer shares: how many tokens to guess, and switching speculation off where guesses keep
+failing (a rejected guess costs a verification row, and a model draft its own forward passes)."""
 from __future__ import annotations
 
 from collections import deque
@@ -9,9 +9,11 @@ from kvserve.errors import KVServeError
 
 
 class SpecState:
-    """Per sequence: the acceptance of its recent guesses, and what the proposer keeps for it."""
+    """Per sequence: how many tokens to guess next, and what the proposer keeps for it; and a gate: the acceptance
+    of recent guesses (a sequence's own, or with a model draft one gate for all sequences)."""
 
-    def __init__(self):
+    def __init__(self, k: int):
+        self.k = k  # the next guess's length: back to one past the last accepted token after a miss, doubled after a hit
         self.paused = 0  # steps left without guesses
         self.strikes = 0  # pauses in a row: each lasts twice as long as the one before
         self.history: deque[tuple[int, int]] = deque()  # (proposed, accepted) per verification
@@ -25,50 +27,55 @@ def check_ints(**options) -> None:
 
 
 class Proposer:
+    shared_gate = False  # one gate for all sequences: a model draft's quality is the draft's, not the text's
+
     def __init__(self, k: int, min_acceptance: int, window: int):
-        """A sequence whose last `window` proposed tokens were accepted less than min_acceptance percent of the
-        time gets no guesses for `window` steps, twice as many after each further failing window (up to 32x)."""
+        """Guesses of up to k tokens. Where the last `window` proposed tokens were accepted less than min_acceptance
+        percent of the time, no guesses for `window` steps, twice as many after each further failing window (up to
+        64x)."""
         check_ints(k=k, min_acceptance=min_acceptance, window=window)
         if not 1 <= k <= 16 or not 0 <= min_acceptance <= 100 or window < 1:
             raise KVServeError(f"speculative decoding needs 1 <= k <= 16, 0 <= min_acceptance <= 100 and window >= 1, "
                                f"got k={k}, min_acceptance={min_acceptance}, window={window}")
         self.k, self.min_acceptance, self.window = k, min_acceptance, window
+        self.shared = SpecState(k)
 
     def start(self, engine) -> None:
         """Load what the proposer needs from the engine it serves (a draft model, the target's layers)."""
 
     def propose(self, seqs: list, limits: list[int]) -> list[list[int]]:
-        """Up to min(k, limit) guessed next tokens for each sequence, one batch for all."""
+        """Up to `limit` guessed next tokens for each sequence, one batch for all."""
         raise NotImplementedError
 
-    def wants(self, seq) -> bool:
-        """Whether to ask for guesses for this sequence this step (counts down a pause)."""
-        state = self.state(seq)
-        if state.paused > 0:
-            state.paused -= 1
-            return False
-        return True
+    def lookahead(self, seq) -> int:
+        """How many tokens to guess for this sequence, or 0 while its gate is shut (counts the pause down)."""
+        gate = self.shared if self.shared_gate else self.state(seq)
+        if gate.paused > 0:
+            gate.paused -= 1
+            return 0
+        return self.state(seq).k
 
     def record(self, seq, proposed: int, accepted: int) -> None:
-        """After verification: pause a sequence whose guesses keep failing."""
+        """After verification: the next guess's length, and the gate."""
         state = self.state(seq)
-        state.history.append((proposed, accepted))
-        total = sum(p for p, _ in state.history)
-        while total - state.history[0][0] >= self.window:
-            total -= state.history.popleft()[0]
+        state.k = min(self.k, 2 * state.k) if accepted == proposed else accepted + 1
+        gate = self.shared if self.shared_gate else state
+        gate.history.append((proposed, accepted))
+        total = sum(p for p, _ in gate.history)
+        while total - gate.history[0][0] >= self.window:
+            total -= gate.history.popleft()[0]
         if total < self.window:
             return
-        if 100 * sum(a for _, a in state.history) < self.min_acceptance * total:
-            state.paused, state.history = self.window << min(state.strikes, 5), deque()
-            state.strikes += 1
+        if 100 * sum(a for _, a in gate.history) < self.min_acceptance * total:
+            gate.paused, gate.history = self.window << min(gate.strikes, 6), deque()
+            gate.strikes += 1
         else:
-            state.strikes = 0
+            gate.strikes = 0
 
     def forget(self, seq) -> None:
         """The sequence finished: let go of what the proposer holds for it."""
 
-    @staticmethod
-    def state(seq) -> SpecState:
+    def state(self, seq) -> SpecState:
         if seq.spec_state is None:
-            seq.spec_state = SpecState()
+            seq.spec_state = SpecState(self.k)
         return seq.spec_state
