@@ -5,9 +5,10 @@ Workloads (greedy, SmolLM2 by default):
   open    open-ended generation (little to look up), batch 1
   batch   16 open-ended requests at once: total tok/s (speculation's extra tokens compete with other requests)
 
-Each proposer's engine and the baseline run the same requests in turns, `--rounds` times; the median is
-reported. Greedy outputs should be the same tokens; the table says where they are not (a batched verification
-pass rounds differently from one-token steps, which can flip a near-tie).
+Each proposer's engine and the baseline run the same prompt (or batch) in turns, `--rounds` times; each
+prompt's median rate counts, averaged over a workload's prompts. Greedy outputs should be the same tokens; the
+table says where they are not (a verification pass of more rows than layers/linear.py's block limit multiplies
+differently from one-token steps, which can flip a near-tie).
 
     python bench/speculative.py [--model smollm2-135m] [--speculative ngram:k=4 ...] [--rounds 3]
 """
@@ -40,51 +41,52 @@ def workloads(llm: LLM) -> dict[str, list[str]]:
     return {"copy": copy, "open": [chat(t) for t in OPEN], "batch": [chat(t) for t in OPEN * 6][:16]}
 
 
-def run(llm: LLM, name: str, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]], float]:
-    """tok/s (batch 1: decode rate per request, averaged; batch: all output tokens over wall time), outputs, acceptance."""
+def run(llm: LLM, batch: bool, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]], int, int]:
+    """tok/s (one prompt: its decode rate; a batch: all output tokens over wall time), outputs, guesses made and kept."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    if name == "batch":
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
-    else:
-        outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
-        rate = statistics.mean(o.metrics.decode_tokens_per_s or 0.0 for o in outs)
-    drafted = sum(o.metrics.num_draft_tokens for o in outs)
-    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
-    return rate, [o.outputs[0].token_ids for o in outs], accepted / drafted if drafted else 0.0
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start) if batch else outs[0].metrics.decode_tokens_per_s or 0.0
+    return (rate, [o.outputs[0].token_ids for o in outs], sum(o.metrics.num_draft_tokens for o in outs),
+            sum(o.metrics.num_accepted_tokens for o in outs))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--speculative", nargs="+", default=["ngram", "ngram:k=3"])
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", default="copy,open,batch")
     args = parser.parse_args()
 
     engines = {"baseline": LLM(args.model)} | {spec: LLM(args.model, speculative=spec) for spec in args.speculative}
     loads = {name: prompts for name, prompts in workloads(engines["baseline"]).items() if name in args.workloads.split(",")}
+    # units of measurement: each batch-1 prompt alone, the batch whole; every engine runs each unit in turn
+    units = [(load, load == "batch", prompts if load == "batch" else [p]) for load, prompts in loads.items()
+             for p in (prompts[:1] if load == "batch" else prompts)]
     for llm in engines.values():  # warm-up: kernels, allocator
-        llm.generate(loads[next(iter(loads))][0], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-    results: dict[tuple[str, str], list[tuple[float, list[list[int]], float]]] = {}
-    for _ in range(args.rounds):
-        for load, prompts in loads.items():
-            for name, llm in engines.items():
-                results.setdefault((load, name), []).append(run(llm, load, prompts, args.max_tokens))
+        llm.generate(units[0][2][0], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    results: dict[tuple[int, str], list] = {}
+    names = list(engines)
+    for r in range(args.rounds):
+        for u, (_, batch, prompts) in enumerate(units):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # a different engine goes first each round
+                results.setdefault((u, name), []).append(run(engines[name], batch, prompts, args.max_tokens))
 
-    print(f"{args.model}, greedy, up to {args.max_tokens} new tokens, median of {args.rounds} rounds")
+    print(f"{args.model}, greedy, up to {args.max_tokens} new tokens; each prompt's median of {args.rounds} rounds, "
+          f"averaged over a workload's prompts")
     for load in loads:
-        base = statistics.median(r[0] for r in results[(load, "baseline")])
-        reference = results[(load, "baseline")][0][1]
+        mine = [u for u, unit in enumerate(units) if unit[0] == load]
+        base = statistics.mean(statistics.median(x[0] for x in results[(u, "baseline")]) for u in mine)
         for name in engines:
-            runs = results[(load, name)]
-            rate = statistics.median(r[0] for r in runs)
-            same = sum(a == b for a, b in zip(runs[0][1], reference))
-            accepted = f"accepted {runs[0][2]:5.1%}" if name != "baseline" else " " * 14
-            print(f"  {load:5s} {name:12s} {rate:7.1f} tok/s ({rate / base:4.2f}x) | {accepted} | "
-                  f"same tokens as baseline: {same}/{len(reference)}")
+            rate = statistics.mean(statistics.median(x[0] for x in results[(u, name)]) for u in mine)
+            same = sum(a == b for u in mine for a, b in zip(results[(u, name)][0][1], results[(u, "baseline")][0][1]))
+            total = sum(len(results[(u, name)][0][1]) for u in mine)
+            drafted, kept = (sum(x[i] for u in mine for x in results[(u, name)]) for i in (2, 3))
+            accepted = f"accepted {kept / drafted:5.1%}" if drafted else " " * 14
+            print(f"  {load:5s} {name:24s} {rate:7.1f} tok/s ({rate / base:4.2f}x) | {accepted} | "
+                  f"same tokens as baseline: {same}/{total}")
 
 
 if __name__ == "__main__":

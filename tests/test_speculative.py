@@ -134,6 +134,11 @@ def test_a_model_drafts_gate_is_shared_by_all_sequences():
     proposer.record(first, 3, 0)
     proposer.record(second, 3, 1)
     assert proposer.lookahead(first) == 0 and proposer.lookahead(_Seq([3])) == 0  # a new sequence waits too
+    for _ in range(5):  # the pause counts steps, however many sequences ask in each
+        proposer.begin_step()
+        assert [proposer.lookahead(s) for s in (first, second)] == [0, 0]
+    proposer.begin_step()
+    assert proposer.lookahead(first) == 1 and proposer.lookahead(second) == 2
 
 
 @pytest.mark.parametrize("text, message", [

@@ -161,6 +161,7 @@ class LLMEngine:
         """Guesses for each decoding sequence, never past max_tokens or the request's token limit (the token
         after the last guess comes too)."""
         seqs, limits = [], []
+        self.proposer.begin_step()
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens == 1 and seq.params.max_tokens:
                 room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_request_tokens - seq.num_tokens) - 1

@@ -47,11 +47,16 @@ class Proposer:
         """Up to `limit` guessed next tokens for each sequence, one batch for all."""
         raise NotImplementedError
 
+    def begin_step(self) -> None:
+        """A step starts: a shared gate's pause counts steps (a sequence's own counts its steps in lookahead)."""
+        if self.shared_gate and self.shared.paused > 0:
+            self.shared.paused -= 1
+
     def lookahead(self, seq) -> int:
-        """How many tokens to guess for this sequence, or 0 while its gate is shut (counts the pause down)."""
+        """How many tokens to guess for this sequence, or 0 while its gate is shut."""
         gate = self.shared if self.shared_gate else self.state(seq)
         if gate.paused > 0:
-            gate.paused -= 1
+            gate.paused -= 0 if self.shared_gate else 1
             return 0
         return self.state(seq).k
 
