@@ -274,6 +274,8 @@ def test_a_self_draft_in_a_busy_small_pool_keeps_outputs_and_frees_its_blocks(ti
     for request_id in ids:
         spec.abort_request(request_id)
     assert spec.kv_manager.pool.num_used == 0 and spec.proposer.kv.pool.num_used == 0
+    draft = spec.kv_usage()["draft"]  # reported beside the target's pool
+    assert draft["used_bytes"] == 0 and draft["total_bytes"] == spec.proposer.kv.layout.block_bytes() * draft["num_blocks"] > 0
 
 
 # --- sampling: the distribution is unchanged ------------------------------------------------------------------------

@@ -229,9 +229,13 @@ class LLMEngine:
                 self.kv_manager.free(seq)
                 seq.num_computed_tokens = 0
 
-    def kv_usage(self) -> dict[str, int]:
-        """Blocks and bytes of the KV pool, now."""
-        return self.kv_manager.usage()
+    def kv_usage(self) -> dict:
+        """Blocks and bytes of the KV pool, now; a draft model's own pool under "draft" (not in the totals)."""
+        usage = self.kv_manager.usage()
+        draft = getattr(self.proposer, "kv", None)
+        if draft is not None:
+            usage["draft"] = draft.usage()
+        return usage
 
 
 def pool_sizes(layout: KVLayout, config: EngineConfig) -> tuple[int, int]:

@@ -149,8 +149,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise KVServeError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     engine = LLMEngine(engine_config(args))
     app = create_app(engine, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting)
-    print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} (KV pool {engine.kv_usage()['total_bytes'] / 2**20:.0f} MiB, "
-          f"{engine.kv_manager.num_blocks} blocks; {engine.layout.describe()})", file=sys.stderr)
+    usage = engine.kv_usage()
+    draft = f"; the draft's own pool {usage['draft']['total_bytes'] / 2**20:.0f} MiB" if "draft" in usage else ""
+    print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} (KV pool {usage['total_bytes'] / 2**20:.0f} MiB, "
+          f"{engine.kv_manager.num_blocks} blocks; {engine.layout.describe()}{draft})", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     engine_loop = app.state.server.async_engine
 
