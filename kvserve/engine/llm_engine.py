@@ -145,10 +145,9 @@ class LLMEngine:
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
         self.output.record_computed(batch, self._verified(step))
-        sampled_seqs = step.seqs
-        self.runner.copy_blocks(self._fork(sampled_seqs))
+        self.runner.copy_blocks(self._fork(step.seqs))
         self.runner.pack(self.kv_manager.pack_aged(batch.seqs))  # kivi2: before finished requests free their blocks
-        touched = list(dict.fromkeys(seq.request_id for seq in sampled_seqs))
+        touched = list(dict.fromkeys(seq.request_id for seq in step.seqs))
         for request_id in touched:  # measured while every completion still holds its blocks
             self.requests[request_id][0].metrics.kv_bytes = self.kv_manager.kv_bytes(self.requests[request_id])
         deltas = self.output.process(step)

@@ -129,14 +129,10 @@ class ModelRunner:
         owner = torch.repeat_interleave(torch.arange(len(batch)), counts)
         positions = starts[owner] + torch.arange(len(owner)) - offsets[owner]
         slot_mappings = [(t[owner, positions // bs] * bs + positions % bs).to(dev) for t in tables]
-        # A sequence's guesses attend as decodes, a query each with its own context: the decode kernel serves
-        # them, with the arithmetic of one-token steps.
-        verifying = torch.tensor([bool(s.draft_token_ids) for s in batch.seqs])
-        per_row = torch.where(verifying, counts, 1)
-        src = torch.repeat_interleave(torch.arange(len(batch)), per_row)
-        within = torch.arange(len(src)) - (torch.cumsum(per_row, 0) - per_row)[src]
-        q_starts, q_counts = starts[src] + within, torch.where(verifying[src], 1, counts[src])
-        q_offsets, q_tables = offsets[src] + within, [t[src] for t in tables]
+        q_starts, q_counts, q_offsets, q_tables = starts, counts, offsets, tables  # a query row per sequence...
+        verifying = [bool(s.draft_token_ids) for s in batch.seqs]
+        if any(verifying):  # ...but a guessing sequence's tokens attend as decodes, each with its own context
+            q_starts, q_counts, q_offsets, q_tables = _queries_per_token(torch.tensor(verifying), starts, counts, offsets, tables)
         # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
         groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs)
                   for rows in (q_counts == 1, (q_counts > 1) & (q_starts == 0), (q_counts > 1) & (q_starts > 0)) if rows.any()]
@@ -151,6 +147,16 @@ class ModelRunner:
         ctx = ForwardContext(positions.to(dev), slot_mappings, [g.to(dev) for g in groups], backend)
         return StepInputs(input_ids.to(dev), ctx, logits_index.to(dev), sampling_rows,
                           [(i, index.to(dev), targets) for i, index, targets in prompt_rows if len(index)])
+
+
+def _queries_per_token(split: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor]):
+    """Query rows where each `split` sequence's tokens are rows of one token (so the decode kernel serves them,
+    with the arithmetic of one-token steps) and other sequences stay one row: starts, counts, offsets, tables."""
+    per_row = torch.where(split, counts, 1)
+    src = torch.repeat_interleave(torch.arange(len(split)), per_row)
+    within = torch.arange(len(src)) - (torch.cumsum(per_row, 0) - per_row)[src]
+    return (starts[src] + within, torch.where(split[src], 1, counts[src]), offsets[src] + within,
+            [t[src] for t in tables])
 
 
 def _step_tokens(seq: Sequence, n: int) -> list[int]:

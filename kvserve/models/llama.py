@@ -1,6 +1,8 @@
 """The Llama-family decoder (Llama 2/3, Mistral without sliding window, SmolLM): MHA, GQA and MQA alike."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,7 +84,7 @@ class LlamaForCausalLM(nn.Module):
         self-speculative draft)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(ctx.positions, x.dtype)
-        for layer in self.layers[:num_layers]:
+        for layer in itertools.islice(self.layers, num_layers):  # a ModuleList slice builds a new list: 60 us a step
             x = layer(x, cos, sin, ctx)
         return self.norm(x)
 
