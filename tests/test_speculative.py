@@ -278,6 +278,25 @@ def test_a_self_draft_in_a_busy_small_pool_keeps_outputs_and_frees_its_blocks(ti
     assert draft["used_bytes"] == 0 and draft["total_bytes"] == spec.proposer.kv.layout.block_bytes() * draft["num_blocks"] > 0
 
 
+def test_guesses_on_the_last_prompt_token_do_not_leak_into_forked_completions(tiny_model_dir_d32):
+    """Prefill in chunks of 3 leaves a 7-token prompt's last token alone in a step, so it is guessed past; the
+    prompt's other completions fork from its blocks in that step and must get the prompt only."""
+    options = dict(num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=3, **FP32)
+    plain = LLM(str(tiny_model_dir_d32), **options).engine
+    spec = LLM(str(tiny_model_dir_d32), speculative="ngram", **options).engine
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+    reference = _run(plain, [prompt], [greedy(10)])
+    spec.proposer = OracleProposer(reference, 3)
+    spec.add_request(prompt, greedy(10, n=3))
+    outs = []
+    while spec.has_unfinished_requests():
+        outs += [o for o in spec.step() if o.finished]
+        check_invariants(spec)
+    assert spec.scheduler.stats.num_accepted_tokens > 0
+    assert [c.token_ids for c in outs[0].outputs] == [reference[tuple(prompt)]] * 3
+    assert spec.kv_manager.pool.num_used == 0
+
+
 # --- sampling: the distribution is unchanged ------------------------------------------------------------------------
 
 def test_sampled_tokens_are_distributed_as_without_speculation(tiny_pair, monkeypatch):

@@ -97,10 +97,11 @@ class KVManager:
         return packs
 
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
-        """Give `child` the parent's computed tokens: full blocks shared (ref counts), the partly filled last block
-        copied, since both will write into it (copy on write). Returns the (source, copy) blocks for the runner to
-        copy; None, changing nothing, if the pool has no block for the copy."""
-        full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        """Give `child` the parent's computed prompt (the parent may have computed guessed tokens past it in the
+        same step): full blocks shared (ref counts), the partly filled last block copied, since both will write
+        into it (copy on write). Returns the (source, copy) blocks for the runner to copy; None, changing nothing,
+        if the pool has no block for the copy."""
+        full, partial = divmod(min(parent.num_computed_tokens, parent.num_prompt_tokens), self.block_size)
         copies = []
         if partial:
             pool = self._pool_of(parent.block_tables[0][full])
@@ -113,9 +114,9 @@ class KVManager:
             child_table.extend(table[:full])
         for child_table, (_, copy) in zip(child.block_tables, copies):
             child_table.append(copy)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_hashed_blocks, child.num_packed_blocks = parent.num_hashed_blocks, parent.num_packed_blocks
-        child.num_computed_tokens, child.num_shared_tokens = parent.num_computed_tokens, full * self.block_size
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_hashed_blocks, child.num_packed_blocks = min(parent.num_hashed_blocks, full), min(parent.num_packed_blocks, full)
+        child.num_computed_tokens, child.num_shared_tokens = full * self.block_size + partial, full * self.block_size
         return copies
 
     def truncate(self, seq: Sequence) -> None:

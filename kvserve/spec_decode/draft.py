@@ -79,10 +79,10 @@ class ModelProposer(Proposer):
             shadow = state.own = Sequence(seq.request_id, None, seq.token_ids[:seq.num_prompt_tokens], GREEDY,
                                           len(self.kv.layout.groups))
         mine, theirs = shadow.token_ids, seq.token_ids
-        same = shadow.num_computed_tokens
-        while same > 0 and (same > len(theirs) or mine[same - 1] != theirs[same - 1]):
+        same = min(shadow.num_computed_tokens, len(theirs) - 1)  # the last token goes through the draft again, for its logits
+        while same > 0 and mine[same - 1] != theirs[same - 1]:
             same -= 1  # only guesses the target rejected differ: a few steps back at most
-        shadow.token_ids = list(theirs)
+        mine[same:] = theirs[same:]  # the tokens before `same` are equal already
         if same < shadow.num_computed_tokens:
             shadow.num_computed_tokens = same
             self.kv.truncate(shadow)
