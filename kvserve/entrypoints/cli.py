@@ -42,7 +42,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kivi-residual", type=int, default=d.kivi_residual,
                         help="kivi2: newest tokens per request kept in full precision (a multiple of --block-size)")
     parser.add_argument("--speculative", default=None, metavar="PROPOSER",
-                        help="speculative decoding, NAME[:key=value,...]: ngram[:k=4,n=3] (prompt lookup)")
+                        help="speculative decoding, NAME[:key=value,...]: ngram[:k=5,n=3] (prompt lookup), "
+                             "draft:model=PATH[,k=4] (a small model), self:layers=N[,k=3] (the model's first N layers)")
     parser.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -207,7 +208,6 @@ def _percent_list(text: str) -> list[int]:
 
 
 def cmd_memory(args: argparse.Namespace) -> None:
-
     from kvserve.config import parse_size
     from kvserve.memory import DEVICES, Device, PlanRequest, load_spec, plan
     from kvserve.memory.report import plot, render
@@ -255,7 +255,6 @@ def _add_memory_parser(sub) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-
     from kvserve.eval import EvalSettings, run_eval
     from kvserve.eval.report import plot, render
 
