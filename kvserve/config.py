@@ -10,14 +10,15 @@ import torch
 from kvserve.errors import KVServeError
 from kvserve.kv.formats import KV_CACHE_DTYPES
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    """The architecture of a Llama-family decoder, read from a Hugging Face config.json."""
+    """A decoder's architecture, read from a Hugging Face config.json; each architecture adds its own
+    settings (`CausalLM.hf_options`)."""
 
+    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,22 +33,30 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    layer_types: tuple[str, ...] = ()  # "full_attention" or "sliding_attention" per layer
+    sliding_window: int | None = None
+    local_rope_theta: float | None = None  # sliding layers' RoPE base, where it differs (Gemma 3)
+    rope_freq_factors: list[float] | None = None  # a GGUF file's rope_freqs: each frequency divided by its factor
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    hidden_act: str = "silu"
+    attention_scale: float | None = None  # None: head_dim ** -0.5
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise KVServeError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
-            raise KVServeError("sliding-window attention is not supported yet (config.json sets sliding_window)")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise KVServeError("attention_bias / mlp_bias are not supported")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise KVServeError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu (SwiGLU) is supported")
+        from kvserve.memory.spec import hf_layer_types
+        from kvserve.models.registry import model_class
+
+        arch = model_class(cfg)
+        if cfg.get("mlp_bias"):
+            raise KVServeError("mlp_bias is not supported")
         heads = cfg["num_attention_heads"]
         theta, scaling = _rope_settings(cfg)
         eos = cfg.get("eos_token_id")
-        return cls(
+        layer_types = hf_layer_types(cfg)
+        config = cls(
+            model_type=cfg["model_type"],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -62,12 +71,31 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            layer_types=layer_types,
+            sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
+            rope_freq_factors=cfg.get("rope_freq_factors"),
+            qkv_bias=bool(cfg.get("attention_bias")),
+            o_bias=bool(cfg.get("attention_bias")),
+            hidden_act=cfg.get("hidden_act") or "silu",
         )
+        for name, value in arch.hf_options(cfg).items():
+            setattr(config, name, value)
+        if config.hidden_act not in ACTIVATIONS:
+            raise KVServeError(f"unsupported hidden_act {config.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        return config
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
-    """transformers 5 writes `rope_parameters`; older configs write `rope_theta` and `rope_scaling`."""
+    """transformers 5 writes `rope_parameters` (per layer type for hybrid models: the global layers' here);
+    older configs write `rope_theta` and `rope_scaling`."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params = dict(params.get("full_attention", params))
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -15,14 +15,21 @@ FP32 = dict(matmul_dtype="float32")
 
 def save_tiny_llama(path, **overrides):
     """A random transformers Llama saved as config.json + safetensors; returns the transformers model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return save_tiny(path, "llama", **overrides)
 
+
+def save_tiny(path, arch: str, **overrides):
+    """A random transformers model of an architecture ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+    saved as config.json + safetensors; returns the transformers model."""
+    import transformers
+
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma3"}
+    config_class = getattr(transformers, names[arch] + ("TextConfig" if arch == "gemma3_text" else "Config"))
     torch.manual_seed(0)
-    config = LlamaConfig(**{**TINY, **overrides})
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # random init leaves norms at 1; perturb them so a wrong norm cannot pass
+    model = getattr(transformers, names[arch] + "ForCausalLM")(config_class(**{**TINY, **overrides})).eval()
+    with torch.no_grad():  # random init leaves norms at 1 (Gemma's at 0) and biases at 0; perturb them so neither can be wrong
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     return model
@@ -40,6 +47,14 @@ def tiny_model_dir_d32(tmp_path_factory):
     """head_dim 32: quantized KV formats scale groups of 32 values."""
     path = tmp_path_factory.mktemp("tiny-llama-d32")
     save_tiny_llama(path, head_dim=32)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_sliding_dir(tmp_path_factory):
+    """A Qwen2 whose second layer slides over 6 tokens: one full and one sliding KV group (head_dim 32)."""
+    path = tmp_path_factory.mktemp("tiny-sliding")
+    save_tiny(path, "qwen2", head_dim=32, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     return path
 
 

@@ -72,15 +72,20 @@ def test_smollm2_decodes_the_same_with_and_without_blocks(smollm2):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("dim", [20, 64, 72])  # vectors and a scalar tail; one register tile; two tiles
-def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim):
+@pytest.mark.parametrize("window", [0, 5, 9])  # 0: none; windows that start mid-block
+def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim, window):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     block_size, lens = 8, [1, 7, 8, 23]  # lengths end mid-block and on a block boundary, with 8-key chunks and tails
     k_cache, v_cache = (torch.randn(16, block_size, kv_heads, dim, generator=g) for _ in range(2))
     tables = torch.randperm(16, generator=g)[:12].view(len(lens), 3)  # scattered, non-contiguous blocks
+    if window:  # blocks wholly before the window are never read: point them past the pool
+        for b, n in enumerate(lens):
+            tables[b, :max(0, n - window) // block_size] = 10**6
     q = torch.randn(len(lens), heads, dim, generator=g)
-    out = native_ops().paged_decode_attention(q, [k_cache], [v_cache], tables, torch.tensor(lens), 0.3, 0, 0, [], [], 0)
+    out = native_ops().paged_decode_attention(q, [k_cache], [v_cache], tables, torch.tensor(lens), 0.3, 0, 0, [], [], 0, window)
     for b, n in enumerate(lens):
-        keys, values = (c[tables[b]].flatten(0, 1)[:n].transpose(0, 1) for c in (k_cache, v_cache))  # [KVH, n, D]
+        first = max(0, n - window) if window else 0
+        keys, values = (c[tables[b].clamp(max=15)].flatten(0, 1)[first:n].transpose(0, 1) for c in (k_cache, v_cache))
         expected = F.scaled_dot_product_attention(q[b, :, None], keys, values, scale=0.3, enable_gqa=True)[:, 0]
         torch.testing.assert_close(out[b], expected, rtol=1e-5, atol=1e-5)
 

@@ -139,8 +139,8 @@ def test_native_decode_equals_attention_over_dequantized_copy(k_dtype, v_dtype):
     lens = torch.tensor(LENS)
     q = torch.randn(len(LENS), 6, 64, generator=G)
     group = _group(torch.ones(len(LENS), dtype=torch.bool), lens - 1, torch.ones(len(LENS), dtype=torch.long),
-                   torch.arange(len(LENS)), [torch.stack(tables)], BS)
-    out = NativeCPUBackend(cache).attend(0, q, group, group.block_tables[0], 1 / 8)
+                   torch.arange(len(LENS)), [torch.stack(tables)], BS, [None])
+    out = NativeCPUBackend(cache).attend(0, 0, q, group, 1 / 8)
     for b, n in enumerate(LENS):
         torch.testing.assert_close(out[b], _reference(cache, tables[b], q[b:b + 1], [n - 1])[0], rtol=1e-5, atol=1e-5)
 
@@ -152,9 +152,9 @@ def test_prefill_chunks_attend_over_dequantized_copy(k_dtype, v_dtype):
     starts = torch.tensor(LENS) - counts
     offsets = torch.cumsum(counts, 0) - counts
     q = torch.randn(int(counts.sum()), 6, 64, generator=G)
-    group = _group(counts > 0, starts, counts, offsets, [torch.stack(tables)], BS)
+    group = _group(counts > 0, starts, counts, offsets, [torch.stack(tables)], BS, [None])
     out = torch.empty_like(q)
-    out[group.flat_index] = SDPABackend(cache).attend(0, q, group, group.block_tables[0], 1 / 8)
+    out[group.flat_index] = SDPABackend(cache).attend(0, 0, q, group, 1 / 8)
     for b, n in enumerate(LENS):
         rows = slice(int(offsets[b]), int(offsets[b] + counts[b]))
         expected = _reference(cache, tables[b], q[rows], list(range(int(starts[b]), n)))

@@ -13,7 +13,7 @@ from tests.conftest import greedy
 PREFIXES = [list(range(1, 13)), list(range(20, 32))]
 
 
-LAYOUTS = ["float32", "int8", "int4", "kivi2"]
+LAYOUTS = ["float32", "int8", "int4", "kivi2", "sliding"]  # sliding: a full and a sliding (6-token window) group, float32
 
 
 def check_invariants(engine) -> None:
@@ -21,7 +21,12 @@ def check_invariants(engine) -> None:
     owners: dict[int, int] = {}
     for seq in (s for seqs in engine.requests.values() for s in seqs):
         assert len({len(t) for t in seq.block_tables}) == 1
-        for block_id in (b for table in seq.block_tables for b in table):
+        for table, window in zip(seq.block_tables, kv.windows):
+            live = [b for b in table if b != -1]
+            assert table[len(table) - len(live):] == live and (window or len(live) == len(table))  # NULLs only lead
+            if window:  # the window's blocks and a step's tokens, no more
+                assert len(live) <= -(-(window - 1 + kv.chunk_tokens) // kv.block_size) + 1
+        for block_id in (b for table in seq.block_tables for b in table if b != -1):
             owners[block_id] = owners.get(block_id, 0) + 1
         if kv.residual:  # packed blocks lead, residual blocks follow
             kinds = [b in kv.residual for b in seq.block_tables[0]]
@@ -39,13 +44,15 @@ request = st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(1, 12), s
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir_d32):
+def engines(tiny_model_dir_d32, tiny_sliding_dir):
     cache = {}
 
     def get(num_blocks, budget, mode, prefix, layout, speculative):
         key = (num_blocks, budget, mode, prefix, layout, speculative)
+        model = tiny_sliding_dir if layout == "sliding" else tiny_model_dir_d32
+        layout = "float32" if layout == "sliding" else layout
         if key not in cache:
-            cache[key] = LLM(str(tiny_model_dir_d32), num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
+            cache[key] = LLM(str(model), num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
                              max_num_seqs=4, preemption_mode=mode, enable_prefix_caching=prefix, kv_cache_dtype=layout,
                              kivi_residual=8, speculative=speculative).engine
         return cache[key]

@@ -20,9 +20,11 @@ class NativeCPUBackend(SDPABackend):
                         list(cache.residual_k[j].values()) if residual else [],
                         list(cache.residual_v[j].values()) if residual else [], codes[2]) for j in range(layout.layers_per_group)]
 
-    def attend(self, j: int, q: torch.Tensor, group: QueryGroup, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+        self.windows = [g.spec.window or 0 for g in layout.groups]
+
+    def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float) -> torch.Tensor:
         if not group.is_decode:
-            return super().attend(j, q, group, block_tables, scale)
+            return super().attend(g, j, q, group, scale)
         k, v, k_code, v_code, k_res, v_res, res_code = self.stores[j]
-        return native_ops().paged_decode_attention(q[group.flat_index], k, v, block_tables, group.context_lens, scale,
-                                                   k_code, v_code, k_res, v_res, res_code)
+        return native_ops().paged_decode_attention(q[group.flat_index], k, v, group.block_tables[g], group.context_lens, scale,
+                                                   k_code, v_code, k_res, v_res, res_code, self.windows[g])

@@ -18,18 +18,18 @@ class SDPABackend:
         self.cache.write(j, k, v, ctx.slot_mappings[g])
         out = torch.empty_like(q)
         for group in ctx.groups:
-            out[group.flat_index] = self.attend(j, q, group, group.block_tables[g], scale)
+            out[group.flat_index] = self.attend(g, j, q, group, scale)
         return out
 
-    def attend(self, j: int, q: torch.Tensor, group: QueryGroup, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-        """The group's valid queries' outputs [V, H, D], over layer j's cache."""
-        keys, values = self.cache.gather(j, block_tables)
+    def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float) -> torch.Tensor:
+        """The group's valid queries' outputs [V, H, D], over the cache of layer j of KV group g."""
+        keys, values = self.cache.gather(j, group.block_tables[g])
         repeat = q.shape[1] // keys.shape[2]
         if q.device.type == "cuda" and repeat > 1:  # CUDA's fused kernels take no enable_gqa; the math one is slow
             keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)
         queries = q[group.query_index].transpose(1, 2)
         o = F.scaled_dot_product_attention(
             queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=group.mask, is_causal=group.is_causal, scale=scale, enable_gqa=keys.shape[2] != q.shape[1],
+            attn_mask=group.masks[g], is_causal=group.is_causal and group.masks[g] is None, scale=scale, enable_gqa=keys.shape[2] != q.shape[1],
         )
         return o.transpose(1, 2).flatten(0, 1)[group.query_valid]

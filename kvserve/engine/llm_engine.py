@@ -50,7 +50,7 @@ class LLMEngine:
         num_blocks, num_residual = pool_sizes(self.layout, config)
         self.runner = ModelRunner(self.checkpoint, config, self.max_model_len, self.layout, num_blocks, num_residual)
         self.kv_manager = KVManager(self.layout, num_blocks, num_residual, config.enable_prefix_caching,
-                                    salt=f"{config.model}|{config.dtype}")
+                                    salt=f"{config.model}|{config.dtype}", chunk_tokens=config.max_num_batched_tokens)
         self.scheduler = Scheduler(config, self.kv_manager)
         eos = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

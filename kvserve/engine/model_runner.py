@@ -17,8 +17,9 @@ from kvserve.kernels import native_ops
 from kvserve.kv.cache import KVCache
 from kvserve.kv.spec import KVLayout
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample, score_prompt
-from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.base import CausalLM
 from kvserve.models.loader import Checkpoint, load_gguf_blocks, load_weights
+from kvserve.models.registry import model_class
 from kvserve.spec_decode import verify
 
 
@@ -122,8 +123,8 @@ class ModelRunner:
         counts = real_counts + torch.tensor(batch.padding or [0] * len(batch))
         offsets = torch.cumsum(counts, 0) - counts
         width = max(len(s.block_tables[0]) for s in batch.seqs)
-        tables = [torch.tensor([s.block_tables[g] + [0] * (width - len(s.block_tables[g])) for s in batch.seqs])
-                  for g in range(len(batch.seqs[0].block_tables))]
+        tables = [torch.tensor([s.block_tables[g] + [0] * (width - len(s.block_tables[g])) for s in batch.seqs]).clamp_(min=0)
+                  for g in range(len(batch.seqs[0].block_tables))]  # blocks a sliding group freed (-1) read block 0, masked
         input_ids = torch.tensor([t for s, n, c in zip(batch.seqs, batch.num_tokens, counts.tolist())
                                   for t in _step_tokens(s, n) + [0] * (c - n)])
         owner = torch.repeat_interleave(torch.arange(len(batch)), counts)
@@ -134,7 +135,8 @@ class ModelRunner:
         if any(verifying):  # ...but a guessing sequence's tokens attend as decodes, each with its own context
             q_starts, q_counts, q_offsets, q_tables = _queries_per_token(torch.tensor(verifying), starts, counts, offsets, tables)
         # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
-        groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs)
+        windows = [g.spec.window for g in self.kv_cache.layout.groups]
+        groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs, windows)
                   for rows in (q_counts == 1, (q_counts > 1) & (q_starts == 0), (q_counts > 1) & (q_starts > 0)) if rows.any()]
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                          if s.num_computed_tokens + n == s.num_tokens + len(s.draft_token_ids)]
@@ -172,26 +174,31 @@ def _prompt_row(row: int, seq, num_tokens: int, offset: int) -> tuple[int, torch
     return row, offset + targets - 1 - start, torch.tensor(seq.token_ids)[targets] if len(targets) else targets
 
 
-def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor], bs: int) -> QueryGroup:
-    """Pad the selected sequences' queries to [B, Q]; their keys are whole blocks, masked past each query."""
+def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor], bs: int, windows: list[int | None]) -> QueryGroup:
+    """Pad the selected sequences' queries to [B, Q]; their keys are whole blocks, masked past each query (and,
+    in a sliding group, before its window)."""
     start, count, offset = starts[rows], counts[rows], offsets[rows]
     q = torch.arange(int(count.max()))
     last = torch.minimum(q[None, :], count[:, None] - 1)  # padding queries repeat the last real one
     query_pos = start[:, None] + last
     num_blocks = -(-int((start + count).max()) // bs)
-    key_pos = torch.arange(num_blocks * bs)
-    causal = key_pos[None, None, :] <= query_pos[:, :, None]
+    key_pos = torch.arange(num_blocks * bs)[None, None, :]
+    causal = key_pos <= query_pos[:, :, None]
     query_index = offset[:, None] + last
     valid = q[None, :] < count[:, None]
     from_start = bool((count > 1).all() and (start == 0).all())
-    mask = None if from_start or bool(causal.all()) else causal.unsqueeze(1)
-    return QueryGroup(query_index, valid.flatten().nonzero().squeeze(1), [t[rows, :num_blocks] for t in tables], mask,
-                      query_index[valid], start + count, from_start)
+    masks = {}
+    for window in set(windows):
+        allowed = causal if window is None else causal & (key_pos > query_pos[:, :, None] - window)
+        implicit = (from_start and (window is None or int(count.max()) <= window)) or bool(allowed.all())
+        masks[window] = None if implicit else allowed.unsqueeze(1)
+    return QueryGroup(query_index, valid.flatten().nonzero().squeeze(1), [t[rows, :num_blocks] for t in tables],
+                      [masks[w] for w in windows], query_index[valid], start + count, from_start)
 
 
-def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device) -> LlamaForCausalLM:
+def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device) -> CausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(checkpoint.config, max_positions)
+        model = model_class(checkpoint.hf_config)(checkpoint.config, max_positions)
     weights = {k: v.to(device=device, dtype=dtype) for k, v in load_weights(checkpoint).items()}
     try:
         model.load_hf_weights(weights)

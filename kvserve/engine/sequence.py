@@ -38,7 +38,7 @@ class Sequence:
         self.num_packed_blocks = 0  # kivi2: leading blocks already packed (the rest are float residual blocks)
         self.draft_token_ids: list[int] = []  # speculative decoding: this step's guesses after the last token
         self.spec_state = None  # the proposer's own, per sequence
-        self.swapped_kinds: list[list[bool]] | None = None  # swapped out: per group and block, from the residual pool?
+        self.swapped_kinds: list[list[bool | None]] | None = None  # swapped out: per group and block, from the residual pool? (None: NULL)
         self.swapped_kv: dict | None = None  # the swapped-out values, held by the model runner
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

@@ -248,11 +248,12 @@ Store make_store(const std::vector<at::Tensor>& parts, int64_t format, int64_t d
 
 // q [B, H, D]; k, v: each a list of parts of a kvserve.kv format, values first ([blocks, block_size, KVH, ...]);
 // block_tables [B, W]; context_lens [B]. Ids >= blocks index k_residual / v_residual ([blocks', block_size, KVH, D],
-// in residual_format; empty lists: no residual pool).
+// in residual_format; empty lists: no residual pool). window > 0: each query sees only its last `window` keys
+// (a sliding-window layer; the blocks before them are never read).
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   int64_t k_format, int64_t v_format, const std::vector<at::Tensor>& k_residual,
-                                  const std::vector<at::Tensor>& v_residual, int64_t residual_format) {
+                                  const std::vector<at::Tensor>& v_residual, int64_t residual_format, int64_t window) {
     TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be fp32 [B, H, D]");
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables and lengths");
     const at::Tensor q = q_in.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
@@ -271,14 +272,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
     }
     const int64_t* tp = tables.data_ptr<int64_t>();
     const int64_t* lp = lens.data_ptr<int64_t>();
+    auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lp[b] - window) : int64_t(0); };
+    int64_t max_len = 0;  // the most keys one query sees
     for (int64_t b = 0; b < B; ++b) {
         TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * bs, "context length ", lp[b], " does not fit ", W, " blocks");
-        for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
+        max_len = std::max(max_len, lp[b] - first_key(b));
+        for (int64_t j = first_key(b) / bs; j < (lp[b] + bs - 1) / bs; ++j)
             TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < num_main + num_residual, "block id out of range");
     }
     // Flash-decoding: when there are fewer (sequence, KV head) pairs than threads can share well, each one's
     // context is split into chunks of whole blocks; every chunk keeps its own softmax max and sum, merged at the end.
-    const int64_t G = H / KVH, max_len = *std::max_element(lp, lp + B);
+    const int64_t G = H / KVH;
     const int64_t splits = std::min(ceil_div(4 * at::get_num_threads(), B * KVH), ceil_div(max_len, 16 * bs));
     const int64_t chunk = ceil_div(ceil_div(max_len, splits), bs) * bs;
     const int64_t C = ceil_div(max_len, chunk);
@@ -306,28 +310,30 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
         };
         for (int64_t item = begin; item < end; ++item) {
             const int64_t b = item / (KVH * C), g = item / C % KVH, c = item % C;
-            const int64_t t0 = c * chunk, t1 = std::min(lp[b], t0 + chunk), L = t1 - t0;
+            const int64_t t0 = first_key(b) + c * chunk, t1 = std::min(lp[b], t0 + chunk), L = t1 - t0;
             float* part = pp + item * G * (D + 2);
             if (L <= 0) {  // this sequence is shorter: the chunk adds nothing
                 for (int64_t h = 0; h < G; ++h) part[h * (D + 2) + D + 1] = 0.0f, part[h * (D + 2) + D] = -INFINITY;
                 continue;
             }
-            for (int64_t t = t0; t < t1; t += bs) {
-                const int64_t n = std::min(bs, t1 - t);
-                const float* base = block_rows(ks, rks, tp[b * W + t / bs], n, g);
+            for (int64_t t = t0, n; t < t1; t += n) {  // a window starts anywhere in a block: o rows of it are skipped
+                const int64_t o = t % bs;
+                n = std::min(bs - o, t1 - t);
+                const float* base = block_rows(ks, rks, tp[b * W + t / bs], o + n, g);
                 for (int64_t h = 0; h < G; ++h)
-                    query_scores(qp + (b * H + g * G + h) * D, base, rows.data(), n, D, float(scale), scores.data() + h * chunk + t - t0);
+                    query_scores(qp + (b * H + g * G + h) * D, base, rows.data() + o, n, D, float(scale), scores.data() + h * chunk + t - t0);
             }
             for (int64_t h = 0; h < G; ++h) {
                 const auto [m, sum] = exp_scores(scores.data() + h * chunk, L);
                 std::fill(part + h * (D + 2), part + h * (D + 2) + D, 0.0f);
                 part[h * (D + 2) + D] = m, part[h * (D + 2) + D + 1] = sum;
             }
-            for (int64_t t = t0; t < t1; t += bs) {
-                const int64_t n = std::min(bs, t1 - t);
-                const float* base = block_rows(vs, rvs, tp[b * W + t / bs], n, g);
+            for (int64_t t = t0, n; t < t1; t += n) {
+                const int64_t o = t % bs;
+                n = std::min(bs - o, t1 - t);
+                const float* base = block_rows(vs, rvs, tp[b * W + t / bs], o + n, g);
                 for (int64_t h = 0; h < G; ++h)
-                    weighted_values(scores.data() + h * chunk + t - t0, base, rows.data(), n, D, part + h * (D + 2));
+                    weighted_values(scores.data() + h * chunk + t - t0, base, rows.data() + o, n, D, part + h * (D + 2));
             }
             if (C == 1) {  // the whole context in one chunk: normalize here, no merge pass
                 for (int64_t h = 0; h < G; ++h) {
@@ -363,6 +369,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("paged_decode_attention(Tensor q, Tensor[] k, Tensor[] v, Tensor block_tables, Tensor context_lens, float scale, "
-          "int k_format, int v_format, Tensor[] k_residual, Tensor[] v_residual, int residual_format) -> Tensor",
+          "int k_format, int v_format, Tensor[] k_residual, Tensor[] v_residual, int residual_format, int window=0) -> Tensor",
           &paged_decode_attention);
 }

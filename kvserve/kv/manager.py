@@ -8,6 +8,10 @@ kivi2: new tokens go to float blocks of a second, residual pool; once a block's 
 `residual_tokens` older than the newest, the block is packed (2-bit) into a main-pool block. Packing is
 decided right after a forward pass (`pack_aged`) and done by the model runner before anything else is
 scheduled, so a block never holds values in two states at once.
+
+A sliding-window group (Gemma 3's local layers, Mistral) gives back the blocks that slid out of its window
+before each step: their entries in its block table become NULL, so a table's length stays the sequence's
+length in blocks. A prefix-cache hit then needs only the window's blocks of a sliding group.
 """
 from __future__ import annotations
 
@@ -18,10 +22,17 @@ from kvserve.engine.sequence import Sequence
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.spec import KVLayout
 
+NULL = -1  # a block-table entry whose block a sliding group gave back
+
 
 class KVManager:
-    def __init__(self, layout: KVLayout, num_blocks: int, num_residual: int, enable_prefix_caching: bool, salt: str):
+    def __init__(self, layout: KVLayout, num_blocks: int, num_residual: int, enable_prefix_caching: bool, salt: str,
+                 chunk_tokens: int = 0):
+        """chunk_tokens: the most tokens a step computes for one sequence (a sliding group holds its window
+        plus those)."""
         self.layout, self.block_size, self.num_groups = layout, layout.block_size, len(layout.groups)
+        self.windows = [g.spec.window for g in layout.groups]
+        self.chunk_tokens = chunk_tokens
         self.pool = BlockPool(num_blocks)
         self.residual = BlockPool(num_residual, first_id=num_blocks) if layout.has_residual else None
         self.enable_prefix_caching = enable_prefix_caching
@@ -32,11 +43,20 @@ class KVManager:
         return self.pool.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
-        """Blocks (of every group) that hold `num_tokens` tokens."""
-        return -(-num_tokens // self.block_size) * self.num_groups
+        """Blocks (of every group) that hold `num_tokens` tokens: a sliding group at most its window's and a chunk's."""
+        blocks = -(-num_tokens // self.block_size)
+        return sum(blocks if w is None else min(blocks, -(-(w - 1 + self.chunk_tokens) // self.block_size) + 1)
+                   for w in self.windows)
 
     def max_tokens_per_request(self) -> int:
-        return self.pool.num_blocks // self.num_groups * self.block_size + self.layout.residual_tokens
+        """The longest request the pool can hold alone (without bound if only sliding groups grow)."""
+        low, high = 0, 1 << 40
+        if self.blocks_for(high) <= self.pool.num_blocks:
+            return high
+        while low < high:  # blocks_for grows with the tokens
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.blocks_for(mid) <= self.pool.num_blocks else (low, mid - 1)
+        return low + self.layout.residual_tokens
 
     def allocate_cached_prefix(self, seq: Sequence) -> int:
         """Point a new sequence's block tables at the longest cached prefix; returns the tokens reused."""
@@ -44,29 +64,55 @@ class KVManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # scoring needs every position's logits
             return 0
         self._hash_full_blocks(seq)
-        bs, hits = self.block_size, []
-        for i in range((seq.num_tokens - 1) // bs):  # the last token is always computed, for its logits
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            ids = [self.pool.lookup(_group_key(seq.block_hashes[i], g), tokens) for g in range(self.num_groups)]
-            if None in ids:
-                break
-            hits.append(ids)
-        for ids in hits:
-            for table, block_id in zip(seq.block_tables, ids):
-                self.pool.take(block_id)
-                table.append(block_id)
-        seq.num_hashed_blocks = seq.num_packed_blocks = len(hits)
-        seq.num_computed_tokens = len(hits) * bs
+        bs, found = self.block_size, {}
+
+        def lookup(g: int, i: int) -> int | None:
+            if (g, i) not in found:
+                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                found[g, i] = self.pool.lookup(_group_key(seq.block_hashes[i], g), tokens)
+            return found[g, i]
+
+        full_groups = [g for g, w in enumerate(self.windows) if w is None]
+        hit = 0  # the last token is always computed, for its logits
+        while hit < (seq.num_tokens - 1) // bs and all(lookup(g, hit) is not None for g in full_groups):
+            hit += 1
+        while hit and not all(lookup(g, i) is not None for g, w in enumerate(self.windows) if w
+                              for i in range(self._first_needed(hit * bs, w), hit)):
+            hit -= 1  # a sliding group needs the blocks of the window before the first uncomputed token
+        for g, (table, w) in enumerate(zip(seq.block_tables, self.windows)):
+            first = self._first_needed(hit * bs, w)
+            table.extend([NULL] * first)
+            for i in range(first, hit):
+                self.pool.take(found[g, i])
+                table.append(found[g, i])
+        seq.num_hashed_blocks = seq.num_packed_blocks = hit
+        seq.num_computed_tokens = hit * bs
         return seq.num_computed_tokens
+
+    def _first_needed(self, position: int, window: int | None) -> int:
+        """The first block a query at `position` (or later) reads in a group with this window."""
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
+
+    def slide(self, seq: Sequence) -> None:
+        """Give back the blocks of sliding groups that no query from the next uncomputed token on reads."""
+        for table, window in zip(seq.block_tables, self.windows):
+            for i in range(min(self._first_needed(seq.num_computed_tokens, window), len(table)) - 1, -1, -1):
+                if table[i] == NULL:  # given back already, and everything before it
+                    break
+                self._pool_of(table[i]).release(table[i])
+                table[i] = NULL
 
     def can_hold_prompt(self, seq: Sequence) -> bool:
         """Whether the pool has room now for the rest of the sequence's tokens (kivi2: those it will pack). Admitting
         one that has not would only preempt others a few prefill chunks later."""
         packed_later = max(0, seq.num_tokens - self.layout.residual_tokens) if self.residual else seq.num_tokens
-        return self.blocks_for(packed_later) - len(seq.block_tables[0]) * self.num_groups <= self.pool.num_free
+        held = sum(len(table) - table.count(NULL) for table in seq.block_tables)
+        return self.blocks_for(packed_later) - held <= self.pool.num_free
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens; False, changing nothing, if the pool is short."""
+        """Make room for `num_new_tokens` more tokens (after giving back blocks that slid out of a window); False,
+        allocating nothing, if the pool is short."""
+        self.slide(seq)
         new = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_tables[0])
         pool = self.residual or self.pool  # kivi2: new tokens are written in float
         if new * self.num_groups > pool.num_free:
@@ -110,7 +156,8 @@ class KVManager:
             copies = [(table[full], pool.allocate()) for table in parent.block_tables]
         for table, child_table in zip(parent.block_tables, child.block_tables):
             for block_id in table[:full]:
-                self._pool_of(block_id).take(block_id)
+                if block_id != NULL:
+                    self._pool_of(block_id).take(block_id)
             child_table.extend(table[:full])
         for child_table, (_, copy) in zip(child.block_tables, copies):
             child_table.append(copy)
@@ -141,16 +188,18 @@ class KVManager:
         # Tail blocks go to the free queue first, so they are evicted before the prefix they extend.
         for table in seq.block_tables:
             for block_id in reversed(table):
-                self._pool_of(block_id).release(block_id)
+                if block_id != NULL:
+                    self._pool_of(block_id).release(block_id)
             table.clear()
         seq.num_hashed_blocks = seq.num_packed_blocks = 0
 
     def swap_out(self, seq: Sequence) -> list[int]:
-        """Free the sequence's blocks, remembering which pool each came from; returns the blocks whose
-        values must be copied out first (those of computed tokens, every group in turn)."""
+        """Free the sequence's blocks, remembering which pool each came from (None: a NULL entry); returns the
+        blocks whose values must be copied out first (those of computed tokens, every group in turn)."""
         used = -(-seq.num_computed_tokens // self.block_size)
-        ids = [block_id for table in seq.block_tables for block_id in table[:used]]
-        seq.swapped_kinds = [[self.residual is not None and b in self.residual for b in table[:used]] for table in seq.block_tables]
+        ids = [block_id for table in seq.block_tables for block_id in table[:used] if block_id != NULL]
+        seq.swapped_kinds = [[None if b == NULL else self.residual is not None and b in self.residual for b in table[:used]]
+                             for table in seq.block_tables]
         self.free(seq)
         return ids
 
@@ -158,27 +207,32 @@ class KVManager:
         """Blocks for a swapped-out sequence's values, from the pools they came from, in swap_out's order;
         None, changing nothing, if a pool is short."""
         kinds = seq.swapped_kinds
-        residual_needed = sum(map(sum, kinds))
-        if sum(map(len, kinds)) - residual_needed > self.pool.num_free or \
+        residual_needed = sum(k is True for ks in kinds for k in ks)
+        if sum(k is False for ks in kinds for k in ks) > self.pool.num_free or \
                 (self.residual and residual_needed > self.residual.num_free):
             return None
         ids = []
         for table, table_kinds in zip(seq.block_tables, kinds):
             for is_residual in table_kinds:
-                table.append((self.residual if is_residual else self.pool).allocate())
-                ids.append(table[-1])
+                table.append(NULL if is_residual is None else (self.residual if is_residual else self.pool).allocate())
+                if table[-1] != NULL:
+                    ids.append(table[-1])
         seq.num_packed_blocks = next((i for i, r in enumerate(kinds[0]) if r), len(kinds[0]))
         seq.swapped_kinds = None
         return ids
 
     def kv_bytes(self, seqs: list[Sequence]) -> int:
         """Bytes a request's computed tokens take in the cache (blocks its completions share, once)."""
-        total = 0.0
+        total, layout = 0.0, self.layout
         for seq in seqs:
             computed = seq.num_computed_tokens
-            own = computed - min(seq.num_shared_tokens, computed)
-            residual = min(own, computed - min(seq.num_packed_blocks * self.block_size, computed)) if self.residual else 0
-            total += (own - residual) * self.layout.bytes_per_token + residual * self.layout.residual_bytes_per_token
+            shared = min(seq.num_shared_tokens, computed)
+            if not self.residual:
+                total += layout.bytes_held(computed) - layout.bytes_held(shared)
+                continue
+            own = computed - shared
+            residual = min(own, computed - min(seq.num_packed_blocks * self.block_size, computed))
+            total += (own - residual) * layout.bytes_per_token + residual * layout.residual_bytes_per_token
         return int(total)
 
     def usage(self) -> dict[str, int]:
@@ -204,7 +258,8 @@ class KVManager:
     def _register(self, seq: Sequence, i: int) -> None:
         tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
         for g, table in enumerate(seq.block_tables):
-            self.pool.register(table[i], _group_key(seq.block_hashes[i], g), tokens)
+            if table[i] != NULL:
+                self.pool.register(table[i], _group_key(seq.block_hashes[i], g), tokens)
 
     def _pool_of(self, block_id: int) -> BlockPool:
         return self.pool if block_id in self.pool else self.residual

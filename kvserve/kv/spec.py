@@ -97,9 +97,13 @@ class KVLayout:
 
     def describe(self) -> str:
         spec = self.groups[0].spec
-        kinds = ", ".join(sorted({g.spec.kind for g in self.groups}))
-        text = (f"KV {self.dtype_name}: {self.bytes_per_token:,.0f} B/token, {len(self.groups)} group(s) of "
-                f"{self.layers_per_group} {kinds} layers x {spec.num_heads} heads x {spec.k_dim}, {self.block_size}-token blocks")
+        kinds = {}
+        for g in self.groups:
+            kind = f"sliding over {g.spec.window} tokens" if g.spec.window else g.spec.kind
+            kinds[kind] = kinds.get(kind, 0) + 1
+        kinds = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        text = (f"KV {self.dtype_name}: {self.bytes_per_token:,.0f} B/token, {len(self.groups)} group(s) ({kinds}) of "
+                f"{self.layers_per_group} layers x {spec.num_heads} heads x {spec.k_dim}, {self.block_size}-token blocks")
         if self.has_residual:
             text += f", newest {self.residual_tokens} tokens in {self.residual_format.name}"
         return text
@@ -145,6 +149,8 @@ def build_layout(model: ModelSpec, k_dtype: str, v_dtype: str, block_size: int =
     layout = KVLayout(groups, k_format, v_format, block_size)
     if not layout.has_residual:
         return layout
+    if any(g.spec.window for g in groups):
+        raise KVServeError("kivi2 with sliding-window layers is not supported: its residual blocks do not slide")
     if residual_tokens < 0 or residual_tokens % block_size:
         raise KVServeError(f"the kivi2 residual must be a multiple of the block size ({block_size}), got {residual_tokens}")
     return KVLayout(groups, k_format, v_format, block_size, residual_tokens, get_format(residual_dtype, "k"))

@@ -26,13 +26,15 @@ class Linear(nn.Linear):
     blocks: torch.Tensor | None = None  # [out_features, bytes per row] Q4_0/Q4_1/Q8_0 blocks of `weight`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         bf16 = self.weight.dtype == torch.bfloat16
         if self.blocks is not None and x.shape[0] <= (MAX_BLOCK_ROWS_BF16 if bf16 else MAX_BLOCK_ROWS):
             return native_ops().gguf_matmul(x, self.blocks)
         if bf16:  # matmul_dtype: activations stay fp32 outside the matmul
-            y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
-            return y if self.bias is None else y + self.bias
+            return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         if x.dim() != 2 or x.shape[0] > MAX_TRANSPOSED_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        y = torch.mm(self.weight, x.t()).t().contiguous()
-        return y if self.bias is None else y + self.bias
+            return F.linear(x, self.weight)
+        return torch.mm(self.weight, x.t()).t().contiguous()

@@ -5,8 +5,10 @@ import math
 import torch
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None, freq_factors: list[float] | None = None) -> torch.Tensor:
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    if freq_factors is not None:  # a GGUF file's rope_freqs (Llama 3.1's scaling, precomputed per frequency)
+        return inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":
@@ -32,9 +34,10 @@ class RotaryEmbedding(torch.nn.Module):
     The tables are built on the CPU even when the model is constructed on the meta device.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, freq_factors: list[float] | None = None):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inverse_frequencies(head_dim, theta, scaling))
+        inv_freq = inverse_frequencies(head_dim, theta, scaling, freq_factors)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)

@@ -95,16 +95,29 @@ class ModelSpec:
         return q + kv + heads * self.v_head_dim * h
 
 
+def hf_layer_types(cfg: dict) -> tuple[str, ...]:
+    """Each layer's attention, "full_attention" or "sliding_attention"; () when no layer slides."""
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if not window or not cfg.get("use_sliding_window", True):
+        return ()
+    types = cfg.get("layer_types")
+    if not types and str(cfg.get("model_type", "")).startswith("gemma3"):  # before layer_types: every Nth is global
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    if not types and "max_window_layers" in cfg:  # Qwen2: layers from max_window_layers on slide
+        types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention" for i in range(layers)]
+    types = tuple(types or ["sliding_attention"] * layers)  # Mistral: every layer
+    return types if "sliding_attention" in types else ()
+
+
 def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
     cfg = {**cfg, **cfg.get("text_config", {})}  # multimodal configs nest the decoder
     try:
         heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
         layers = cfg["num_hidden_layers"]
-        layer_types = tuple(cfg.get("layer_types") or ())
-        pattern = cfg.get("sliding_window_pattern")
-        if not layer_types and pattern and cfg.get("sliding_window"):  # Gemma 3 before layer_types: every Nth is global
-            layer_types = tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        layer_types = hf_layer_types(cfg)
+        window = cfg.get("sliding_window") if "sliding_attention" in layer_types else None
         return ModelSpec(
             name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -115,7 +128,7 @@ def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
             kv_lora_rank=cfg.get("kv_lora_rank") or 0, qk_rope_head_dim=cfg.get("qk_rope_head_dim") or 0,
             qk_nope_head_dim=cfg.get("qk_nope_head_dim") or 0, v_head_dim=cfg.get("v_head_dim") or 0,
             q_lora_rank=cfg.get("q_lora_rank") or 0,
-            sliding_window=window, layer_types=layer_types if window else (),
+            sliding_window=window, layer_types=layer_types,
             num_experts=cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0,
             experts_per_token=cfg.get("num_experts_per_tok") or 0,
             num_shared_experts=cfg.get("n_shared_experts") or 0,
@@ -155,8 +168,8 @@ def spec_from_gguf(path: Path) -> ModelSpec:
         "sliding_window": field(p + "attention.sliding_window"),
         "kv_lora_rank": field(p + "attention.kv_lora_rank"), "qk_rope_head_dim": field(p + "rope.dimension_count"),
     }
-    if arch.startswith("gemma3") and cfg["sliding_window"]:
-        cfg["sliding_window_pattern"] = 6
+    if arch.startswith("gemma3"):
+        cfg["model_type"] = "gemma3_text"
     if not cfg["kv_lora_rank"]:
         cfg["qk_rope_head_dim"] = None
     return spec_from_hf_config(cfg, path.name)
@@ -179,7 +192,7 @@ PRESETS: dict[str, dict] = {
     "mistral-7b": _llama(32, 4096, 32, 8, 14336, 32000, 32768),
     "smollm2-135m": _llama(30, 576, 9, 3, 1536, 49152, 8192, tie=True),
     "gemma-3-270m": {**_llama(18, 640, 4, 1, 2048, 262144, 32768, tie=True), "head_dim": 256, "sliding_window": 512,
-                     "sliding_window_pattern": 6},
+                     "sliding_window_pattern": 6, "model_type": "gemma3_text"},
     "deepseek-v3": {**_llama(61, 7168, 128, 128, 18432, 129280, 163840), "kv_lora_rank": 512, "qk_rope_head_dim": 64,
                     "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 1536, "n_routed_experts": 256,
                     "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "first_k_dense_replace": 3},

@@ -17,9 +17,10 @@ import torch
 
 from kvserve.errors import KVServeError
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 BLOCKS_FILE = "gguf_blocks.safetensors"  # the file's own 4/8-bit blocks, for kvserve.kernels
 _KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}  # general.architecture ->
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -28,11 +29,25 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms both sides of attention and MLP: its ffn_norm comes before the MLP
+_GEMMA3_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Gemma's chat template (the GGUF files of the base model carry none), for text-only conversations
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] | trim + '\\n\\n' %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
 
 
 def cache_root() -> Path:
@@ -85,11 +100,17 @@ def _convert(gguf_path: Path, out: Path) -> None:
 
     reader = gguf.GGUFReader(gguf_path)
     config = _hf_config(reader)
+    arch = config["model_type"]
     weights, blocks = {}, {}
     for tensor in reader.tensors:
-        name, array = _hf_name(tensor.name), _dequantize(tensor)
+        if tensor.name == "rope_freqs.weight":  # Llama 3.1's RoPE scaling, one factor per frequency
+            config["rope_freq_factors"] = _dequantize(tensor).astype(float).tolist()
+            continue
+        name, array = _hf_name(tensor.name, arch), _dequantize(tensor)
         raw = np.asarray(tensor.data).reshape(array.shape[0], -1) if tensor.tensor_type.name in _KERNEL_TYPES else None
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "gemma3_text" and name.endswith("norm.weight"):
+            array = array - 1  # llama.cpp stores Gemma's 1 + weight; Hugging Face stores the weight
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             array = _unpermute_rope(array, heads)
             raw = None if raw is None else _unpermute_rope(raw, heads)  # whole rows move, blocks and all
@@ -99,7 +120,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     save_file(weights, out / "model.safetensors")
     save_file(blocks, out / BLOCKS_FILE)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    _save_tokenizer(gguf_path, out)
+    _save_tokenizer(gguf_path, out, arch)
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -125,42 +146,55 @@ def _field(reader, key: str, default=None):
 
 def _hf_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise KVServeError(f"unsupported GGUF architecture {arch!r}; supported: llama")
+    if arch not in MODEL_TYPES:
+        raise KVServeError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(MODEL_TYPES)}")
+    p = f"{arch}."
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise KVServeError("GGUF files with rope_freqs (Llama 3.1 scaling) are not supported yet")
-    hidden, heads = _field(reader, "llama.embedding_length"), _field(reader, "llama.attention.head_count")
+    hidden, heads = _field(reader, p + "embedding_length"), _field(reader, p + "attention.head_count")
+    tokens = reader.fields["tokenizer.ggml.tokens"]
     config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "model_type": MODEL_TYPES[arch],
+        "vocab_size": len(tokens.data),
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _field(reader, "llama.block_count"),
+        "intermediate_size": _field(reader, p + "feed_forward_length"),
+        "num_hidden_layers": _field(reader, p + "block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _field(reader, "llama.attention.head_count_kv", heads),
-        "head_dim": _field(reader, "llama.attention.key_length", hidden // heads),
-        "rms_norm_eps": _field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": _field(reader, "llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": _field(reader, "llama.context_length", 2048),
+        "num_key_value_heads": _field(reader, p + "attention.head_count_kv", heads),
+        "head_dim": _field(reader, p + "attention.key_length", hidden // heads),
+        "rms_norm_eps": _field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _field(reader, p + "rope.freq_base", 10000.0),
+        "max_position_embeddings": _field(reader, p + "context_length", 2048),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    if _field(reader, "llama.rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": _field(reader, "llama.rope.scaling.factor")}
+    if _field(reader, p + "rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": _field(reader, p + "rope.scaling.factor")}
+    if arch == "gemma3":
+        end_of_turn = _token_id(tokens, "<end_of_turn>")
+        config.update(sliding_window=_field(reader, p + "attention.sliding_window"), sliding_window_pattern=6,
+                      rope_local_base_freq=10000.0, query_pre_attn_scalar=config["head_dim"],
+                      hidden_activation="gelu_pytorch_tanh",
+                      eos_token_id=[config["eos_token_id"]] + ([end_of_turn] if end_of_turn is not None else []))
     return config
 
 
-def _hf_name(gguf_name: str) -> str:
+def _token_id(tokens, text: str) -> int | None:
+    for i, part in enumerate(tokens.data):
+        if bytes(tokens.parts[part]) == text.encode():
+            return i
+    return None
+
+
+def _hf_name(gguf_name: str, arch: str) -> str:
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[-1]}"
+    layer_names = _GEMMA3_NAMES if arch == "gemma3_text" else _LAYER_NAMES
+    if parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[-1]}"
     if parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[-1]}"
-    raise KVServeError(f"unexpected tensor {gguf_name!r} in GGUF file")
+    raise KVServeError(f"unexpected tensor {gguf_name!r} in a GGUF file of architecture {arch}")
 
 
 def _unpermute_rope(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -169,8 +203,10 @@ def _unpermute_rope(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _save_tokenizer(gguf_path: Path, out: Path) -> None:
+def _save_tokenizer(gguf_path: Path, out: Path, model_type: str) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if model_type == "gemma3_text" and not tokenizer.chat_template:
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     tokenizer.save_pretrained(out)

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.kernels import native_ops
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dimension (Gemma's 1 + weight is folded into the weight at load)."""
+
+    native = False  # kvserve.kernels' rms_norm: ~10x less overhead per call on a decode step's few rows
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return native_ops().rms_norm(x, self.weight, self.eps)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
