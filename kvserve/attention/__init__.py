@@ -20,11 +20,13 @@ if TYPE_CHECKING:
 class QueryGroup:
     query_index: torch.Tensor  # [B, Q] flat token index of each query (padding repeats a real one)
     query_valid: torch.Tensor  # [V] where each valid (non-padding) query sits in the flattened [B * Q]
-    block_tables: list[torch.Tensor]  # per KV layer group: [B, N] each sequence's blocks; keys at positions 0..N*block_size-1
+    # per KV layer group: [B, N] each sequence's blocks; keys at positions 0..N*block_size-1 (a sliding group's
+    # tables may start at a later block: the first its queries' windows reach, the same for the whole group)
+    block_tables: list[torch.Tensor]
     # per KV layer group: [B, 1, Q, L] bool, True where a query may attend (a sliding group: only its window); None: see is_causal
     masks: list[torch.Tensor | None]
     flat_index: torch.Tensor  # flat token index of each valid query, in query_valid order
-    context_lens: torch.Tensor  # [B] keys each sequence has after this step
+    context_lens: list[torch.Tensor]  # per KV layer group: [B] keys each sequence has after this step, from its first block
     # Where a group's mask is None, every sequence starts at position 0, so query i sees keys 0..i: SDPA's own
     # causal mask, which lets it skip the blocks above the diagonal that an explicit mask would make it compute
     # (or, if False, every query sees every key).
@@ -37,7 +39,7 @@ class QueryGroup:
     def to(self, device: torch.device) -> QueryGroup:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QueryGroup(move(self.query_index), move(self.query_valid), [move(t) for t in self.block_tables],
-                          [move(m) for m in self.masks], move(self.flat_index), move(self.context_lens), self.is_causal)
+                          [move(m) for m in self.masks], move(self.flat_index), [move(t) for t in self.context_lens], self.is_causal)
 
 
 @dataclass(slots=True)

@@ -26,5 +26,5 @@ class NativeCPUBackend(SDPABackend):
         if not group.is_decode:
             return super().attend(g, j, q, group, scale)
         k, v, k_code, v_code, k_res, v_res, res_code = self.stores[j]
-        return native_ops().paged_decode_attention(q[group.flat_index], k, v, group.block_tables[g], group.context_lens, scale,
+        return native_ops().paged_decode_attention(q[group.flat_index], k, v, group.block_tables[g], group.context_lens[g], scale,
                                                    k_code, v_code, k_res, v_res, res_code, self.windows[g])

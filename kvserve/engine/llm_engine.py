@@ -146,6 +146,9 @@ class LLMEngine:
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
         self.output.record_computed(batch, self._verified(step))
         self.runner.copy_blocks(self._fork(step.seqs))
+        if self.kv_manager.sliding:  # give back what slid out of a window now, not at the next step
+            for seq in batch.seqs:
+                self.kv_manager.slide(seq)
         self.runner.pack(self.kv_manager.pack_aged(batch.seqs))  # kivi2: before finished requests free their blocks
         touched = list(dict.fromkeys(seq.request_id for seq in step.seqs))
         for request_id in touched:  # measured while every completion still holds its blocks

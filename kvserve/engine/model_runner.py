@@ -175,25 +175,26 @@ def _prompt_row(row: int, seq, num_tokens: int, offset: int) -> tuple[int, torch
 
 
 def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor], bs: int, windows: list[int | None]) -> QueryGroup:
-    """Pad the selected sequences' queries to [B, Q]; their keys are whole blocks, masked past each query (and,
-    in a sliding group, before its window)."""
+    """Pad the selected sequences' queries to [B, Q]; their keys are whole blocks, masked past each query. A sliding
+    group's keys start at the first block any query's window reaches, masked before each query's window."""
     start, count, offset = starts[rows], counts[rows], offsets[rows]
     q = torch.arange(int(count.max()))
     last = torch.minimum(q[None, :], count[:, None] - 1)  # padding queries repeat the last real one
-    query_pos = start[:, None] + last
+    query_pos = (start[:, None] + last)[:, :, None]
     num_blocks = -(-int((start + count).max()) // bs)
-    key_pos = torch.arange(num_blocks * bs)[None, None, :]
-    causal = key_pos <= query_pos[:, :, None]
     query_index = offset[:, None] + last
     valid = q[None, :] < count[:, None]
     from_start = bool((count > 1).all() and (start == 0).all())
-    masks = {}
+    keys = {}  # window -> (first block, mask)
     for window in set(windows):
-        allowed = causal if window is None else causal & (key_pos > query_pos[:, :, None] - window)
+        first = 0 if window is None else max(0, int(start.min()) - window + 1) // bs
+        key_pos = torch.arange(first * bs, num_blocks * bs)[None, None, :]
+        allowed = key_pos <= query_pos if window is None else (key_pos <= query_pos) & (key_pos > query_pos - window)
         implicit = (from_start and (window is None or int(count.max()) <= window)) or bool(allowed.all())
-        masks[window] = None if implicit else allowed.unsqueeze(1)
-    return QueryGroup(query_index, valid.flatten().nonzero().squeeze(1), [t[rows, :num_blocks] for t in tables],
-                      [masks[w] for w in windows], query_index[valid], start + count, from_start)
+        keys[window] = first, None if implicit else allowed.unsqueeze(1)
+    return QueryGroup(query_index, valid.flatten().nonzero().squeeze(1),
+                      [t[rows, keys[w][0]:num_blocks] for t, w in zip(tables, windows)], [keys[w][1] for w in windows],
+                      query_index[valid], [start + count - keys[w][0] * bs for w in windows], from_start)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device) -> CausalLM:

@@ -32,6 +32,7 @@ class KVManager:
         plus those)."""
         self.layout, self.block_size, self.num_groups = layout, layout.block_size, len(layout.groups)
         self.windows = [g.spec.window for g in layout.groups]
+        self.sliding = any(self.windows)
         self.chunk_tokens = chunk_tokens
         self.pool = BlockPool(num_blocks)
         self.residual = BlockPool(num_residual, first_id=num_blocks) if layout.has_residual else None

@@ -8,7 +8,7 @@ import torch
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None, freq_factors: list[float] | None = None) -> torch.Tensor:
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
     if freq_factors is not None:  # a GGUF file's rope_freqs (Llama 3.1's scaling, precomputed per frequency)
-        return inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
+        return inv_freq / torch.tensor(freq_factors, dtype=torch.float32, device="cpu")
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":

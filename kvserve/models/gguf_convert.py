@@ -120,7 +120,8 @@ def _convert(gguf_path: Path, out: Path) -> None:
     save_file(weights, out / "model.safetensors")
     save_file(blocks, out / BLOCKS_FILE)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    _save_tokenizer(gguf_path, out, arch)
+    if "tokenizer.ggml.model" in reader.fields:  # else prompts come as token ids
+        _save_tokenizer(gguf_path, out, arch)
 
 
 def _dequantize(tensor) -> np.ndarray:

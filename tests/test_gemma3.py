@@ -1,0 +1,52 @@
+"""The real Gemma 3 270M (Q4_K_M GGUF from its chunk packages): greedy tokens equal transformers' reading the
+same file, and its sliding-window layers hold only their window's blocks at long context."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM
+from kvserve.models.registry import resolve_model_path
+from tests.conftest import FP32, greedy
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> LLM:
+    return LLM("gemma3-270m", kv_cache_memory="256MiB", **FP32)
+
+
+def test_greedy_matches_transformers_from_gguf(gemma3):
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path("gemma3-270m")
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    chat = gemma3.apply_chat_template([{"role": "user", "content": "Name three colors."}])
+    assert chat.startswith("<bos><start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n")
+    prompts = [gemma3.engine.tokenize(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    prompts.append(gemma3.engine.tokenize(chat, add_special_tokens=False))
+    outputs = gemma3.generate(prompts, greedy(32), use_tqdm=False)
+    for ids, out in zip(prompts, outputs):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, len(ids):]
+        assert out.outputs[0].token_ids == expected.tolist(), (out.outputs[0].text, gemma3.tokenizer.decode(expected))
+
+
+def test_local_layers_hold_the_window_at_4k_context(gemma3):
+    engine, kv = gemma3.engine, gemma3.engine.kv_manager
+    layout = engine.layout
+    sliding = [g for g, group in enumerate(layout.groups) if group.spec.window]
+    assert len(sliding) == 5 and layout.groups[sliding[0]].spec.window == 512
+    prompt = (list(range(1000, 5000)))
+    engine.add_request(prompt, greedy(4))
+    seq = engine.requests[next(iter(engine.requests))][0]
+    while engine.has_unfinished_requests():
+        engine.step()
+        if not seq.is_finished and seq.num_computed_tokens >= len(prompt):  # decoding: the window plus one block
+            held = [len(seq.block_tables[g]) - seq.block_tables[g].count(-1) for g in sliding]
+            assert max(held) <= 512 // layout.block_size + 1
+            pool_bytes = kv.pool.num_used * layout.block_bytes()
+            planned = layout.bytes_held(seq.num_computed_tokens)  # the planner's figure
+            assert planned <= pool_bytes <= planned + len(layout.groups) * layout.block_bytes()
+            full_only = layout.block_bytes() * -(-seq.num_computed_tokens // layout.block_size)
+            assert pool_bytes < 1.2 * full_only + 5 * (512 // layout.block_size + 1) * layout.block_bytes()
+    assert kv.pool.num_used == 0
