@@ -42,6 +42,12 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     hidden_act: str = "silu"
     attention_scale: float | None = None  # None: head_dim ** -0.5
+    # MLA (DeepSeek): the cache holds a kv_lora_rank latent and a qk_rope_head_dim key per token (head_dim is the latter)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # DeepSeek's RoPE pairs adjacent dims; rows are reordered to rotate-half at load
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:

@@ -19,11 +19,12 @@ def save_tiny_llama(path, **overrides):
 
 
 def save_tiny(path, arch: str, **overrides):
-    """A random transformers model of an architecture ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+    """A random transformers model of an architecture ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v3")
     saved as config.json + safetensors; returns the transformers model."""
     import transformers
 
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma3"}
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma3",
+             "deepseek_v3": "DeepseekV3"}
     config_class = getattr(transformers, names[arch] + ("TextConfig" if arch == "gemma3_text" else "Config"))
     torch.manual_seed(0)
     model = getattr(transformers, names[arch] + "ForCausalLM")(config_class(**{**TINY, **overrides})).eval()

@@ -14,6 +14,8 @@ WINDOW = 12  # shorter than the prompts
 GEMMA = dict(num_hidden_layers=6, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                               "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+MLA = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=4,
+           first_k_dense_replace=2, num_key_value_heads=4)
 CASES = {
     "mistral-sliding": ("mistral", dict(sliding_window=WINDOW)),
     "qwen2": ("qwen2", dict(num_key_value_heads=2)),
@@ -22,6 +24,8 @@ CASES = {
     "qwen3-bias": ("qwen3", dict(head_dim=16, attention_bias=True)),
     "gemma3": ("gemma3_text", GEMMA),
     "gemma3-gqa-tied": ("gemma3_text", dict(GEMMA, num_key_value_heads=2, tie_word_embeddings=True)),
+    "deepseek-mla": ("deepseek_v3", MLA),
+    "deepseek-mla-q-proj": ("deepseek_v3", dict(MLA, q_lora_rank=None)),
 }
 
 
@@ -48,7 +52,7 @@ def test_logits_match_transformers(tmp_path, case):
     assert llm.engine.kv_manager.pool.num_used == 0
 
 
-@pytest.mark.parametrize("case", ["mistral-sliding", "qwen2-sliding-layers", "gemma3"])
+@pytest.mark.parametrize("case", ["mistral-sliding", "qwen2-sliding-layers", "gemma3", "deepseek-mla"])
 def test_batched_chunked_and_prefix_hits_match_transformers(tmp_path, case):
     arch, overrides = CASES[case]
     hf = save_tiny(tmp_path, arch, **overrides)
@@ -91,4 +95,31 @@ def test_sliding_groups_hold_only_their_window(tiny_sliding_dir):
 def test_unsupported_architecture_is_one_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
     with pytest.raises(KVServeError, match="unsupported model_type 'gpt2'; supported: llama, mistral, qwen2"):
+        LLM(str(tmp_path))
+
+
+
+def test_mla_caches_the_latent_only_as_the_planner_says(tmp_path):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from kvserve.memory import kv_bytes_per_token, load_spec, mha_factor
+    from tests.conftest import TINY
+
+    DeepseekV3ForCausalLM(DeepseekV3Config(**{**TINY, **MLA})).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", block_size=4, **FP32)
+    layout, spec = llm.engine.layout, load_spec(str(tmp_path))
+    assert layout.bytes_per_token == 2 * (32 + 8) * 4 == kv_bytes_per_token(spec, "fp32")  # 2 layers x (rank + rope) x fp32
+    assert mha_factor(spec) == pytest.approx(4 * (16 + 8 + 24) / (32 + 8))  # what full MHA would cache instead
+    out = llm.generate([list(range(1, 30))], greedy(8), use_tqdm=False)[0]
+    assert out.metrics.kv_bytes == (29 + 8 - 1) * layout.bytes_per_token
+    assert LLM(str(tmp_path), kv_cache_memory="4MiB", kv_cache_dtype="fp8_e4m3", **FP32).generate([list(range(1, 30))], greedy(8), use_tqdm=False)
+
+
+def test_deepseek_moe_layers_are_one_clear_error(tmp_path):
+    from transformers import DeepseekV3Config
+
+    from tests.conftest import TINY
+
+    DeepseekV3Config(**{**TINY, **MLA, "n_routed_experts": 4, "first_k_dense_replace": 1}).save_pretrained(tmp_path)
+    with pytest.raises(KVServeError, match="mixture-of-experts layers are not supported"):
         LLM(str(tmp_path))

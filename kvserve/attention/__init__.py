@@ -49,6 +49,8 @@ class ForwardContext:
     groups: list[QueryGroup]
     backend: SDPABackend
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
-        return self.backend.forward(layer, q, k, v, self, scale)
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
+                  value_dims: int | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]. A latent layer (MLA) caches
+        k only and passes v=None: its values are the first `value_dims` of each cached key, and it returns [T, H, value_dims]."""
+        return self.backend.forward(layer, q, k, v, self, scale, value_dims)

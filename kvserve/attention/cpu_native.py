@@ -22,9 +22,9 @@ class NativeCPUBackend(SDPABackend):
 
         self.windows = [g.spec.window or 0 for g in layout.groups]
 
-    def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float) -> torch.Tensor:
-        if not group.is_decode:
-            return super().attend(g, j, q, group, scale)
+    def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float, value_dims: int | None = None) -> torch.Tensor:
+        if not group.is_decode or value_dims is not None:  # the kernel reads K and V stores of one width
+            return super().attend(g, j, q, group, scale, value_dims)
         k, v, k_code, v_code, k_res, v_res, res_code = self.stores[j]
         return native_ops().paged_decode_attention(q[group.flat_index], k, v, group.block_tables[g], group.context_lens[g], scale,
                                                    k_code, v_code, k_res, v_res, res_code, self.windows[g])

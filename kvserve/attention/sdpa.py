@@ -13,17 +13,21 @@ class SDPABackend:
     def __init__(self, cache: KVCache):
         self.cache = cache
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, ctx: ForwardContext, scale: float,
+                value_dims: int | None = None) -> torch.Tensor:
         g, j = self.cache.slot[layer]
         self.cache.write(j, k, v, ctx.slot_mappings[g])
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], value_dims or q.shape[2])
         for group in ctx.groups:
-            out[group.flat_index] = self.attend(g, j, q, group, scale)
+            out[group.flat_index] = self.attend(g, j, q, group, scale, value_dims)
         return out
 
-    def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float) -> torch.Tensor:
-        """The group's valid queries' outputs [V, H, D], over the cache of layer j of KV group g."""
+    def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float, value_dims: int | None = None) -> torch.Tensor:
+        """The group's valid queries' outputs [V, H, D], over the cache of layer j of KV group g (value_dims: the
+        values are the keys' first dims, MLA)."""
         keys, values = self.cache.gather(j, group.block_tables[g])
+        if value_dims is not None:
+            values = keys[..., :value_dims]
         repeat = q.shape[1] // keys.shape[2]
         if q.device.type == "cuda" and repeat > 1:  # CUDA's fused kernels take no enable_gqa; the math one is slow
             keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)

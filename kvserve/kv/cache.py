@@ -22,7 +22,7 @@ class KVCache:
         self.slot = {layer: (g, j) for g, group in enumerate(layout.groups) for j, layer in enumerate(group.layers)}
         spec, n = layout.groups[0].spec, layout.layers_per_group
         self.k = [_allocate(layout.k_format, num_blocks, layout, spec.k_dim, device) for _ in range(n)]
-        self.v = [_allocate(layout.v_format, num_blocks, layout, spec.v_dim, device) for _ in range(n)]
+        self.v = [_allocate(layout.v_format, num_blocks, layout, spec.v_dim, device) if spec.v_dim else {} for _ in range(n)]
         self.residual_k = self.residual_v = None
         if layout.has_residual:
             self.residual_k = [_allocate(layout.residual_format, num_residual, layout, spec.k_dim, device) for _ in range(n)]
@@ -32,7 +32,7 @@ class KVCache:
         write_k, write_v = (self.residual_k, self.residual_v) if layout.has_residual else (self.k, self.v)
         formats = (layout.residual_format,) * 2 if layout.has_residual else (layout.k_format, layout.v_format)
         self._writes = [[(fmt, {name: t.flatten(0, 1) for name, t in store.items()}) for fmt, store in zip(formats, stores)]
-                        for stores in zip(write_k, write_v)] if layout.groups[0].spec.v_dim else []
+                        for stores in zip(write_k, write_v)]
         self._residual = [t for stores in (self.residual_k or [], self.residual_v or []) for store in stores for t in store.values()]
 
     @property
@@ -43,11 +43,11 @@ class KVCache:
     def device(self) -> torch.device:
         return self._main[0].device
 
-    def write(self, j: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """K/V [T, heads, dim] of new tokens at their slots, in the j-th layer of a group."""
+    def write(self, j: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor) -> None:
+        """K/V [T, heads, dim] of new tokens at their slots, in the j-th layer of a group (v None: a latent layer)."""
         if self.residual_k is not None:  # new tokens always land in residual blocks
             slots = slots - self.num_blocks * self.block_size
-        for (fmt, views), x in zip(self._writes[j], (k, v)):
+        for (fmt, views), x in zip(self._writes[j], (k, v) if v is not None else (k,)):
             for name, part in fmt.quantize_tokens(x).items():
                 views[name].index_copy_(0, slots, part)
 
@@ -55,6 +55,9 @@ class KVCache:
         """K and V of the blocks in `block_tables` ([batch, blocks]), dequantized, as [batch, blocks * block_size, heads, dim]."""
         flat = block_tables.reshape(-1)
         keys = self._gather(self.k[j], self.layout.k_format, self.residual_k, j, flat)
+        if not self.v[j]:  # a latent layer: its values are part of its keys
+            keys = keys.unflatten(0, (block_tables.shape[0], -1))
+            return keys, keys
         values = self._gather(self.v[j], self.layout.v_format, self.residual_v, j, flat)
         return keys.unflatten(0, (block_tables.shape[0], -1)), values.unflatten(0, (block_tables.shape[0], -1))
 

@@ -149,6 +149,8 @@ def build_layout(model: ModelSpec, k_dtype: str, v_dtype: str, block_size: int =
     layout = KVLayout(groups, k_format, v_format, block_size)
     if not layout.has_residual:
         return layout
+    if spec.kind == "latent":
+        raise KVServeError("kivi2 needs K and V; an MLA layer caches one latent: use a per-token format (int8, int4, fp8)")
     if any(g.spec.window for g in groups):
         raise KVServeError("kivi2 with sliding-window layers is not supported: its residual blocks do not slide")
     if residual_tokens < 0 or residual_tokens % block_size:

@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "qwen2": "qwen2:Qwen2ForCausalLM",
     "qwen3": "qwen2:Qwen3ForCausalLM",
     "gemma3_text": "gemma3:Gemma3ForCausalLM",
+    "deepseek_v3": "deepseek:DeepseekV3ForCausalLM",
 }
 
 
