@@ -1,9 +1,12 @@
 """The planner's answer for one model: a dict (for --json), a rich table, and a plot."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from kvserve.memory.planner import Device, capacity, kv_bytes, kv_bytes_per_token, kv_layout, mha_factor, roofline
+from kvserve.errors import KVServeError
+from kvserve.kv.formats import FORMATS
+
+from kvserve.memory.planner import ALIASES, Device, capacity, kv_bytes, kv_bytes_per_token, kv_layout, mha_factor, roofline
 from kvserve.memory.spec import ModelSpec
 
 GiB = 2**30
@@ -22,8 +25,15 @@ class PlanRequest:
 
 
 def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
+    unsupported = {}  # dtypes this model's layout cannot take (kivi2 with sliding windows or MLA): left out, with why
     for name in req.dtypes:
-        kv_layout(spec, name)  # reject an unknown dtype before any work
+        try:
+            kv_layout(spec, name)
+        except KVServeError as e:
+            if name not in FORMATS and name not in ALIASES or len(unsupported) + 1 == len(req.dtypes):
+                raise  # an unknown dtype, or nothing left to plan
+            unsupported[name] = str(e)
+    req = replace(req, dtypes=[n for n in req.dtypes if n not in unsupported])
     memory = req.memory or device.memory * req.num_devices
     if req.num_devices > 1:  # tensor parallel: the roofline sees the devices' summed FLOP/s and bandwidth
         device = Device(f"{req.num_devices} x {device.name}", device.memory * req.num_devices,
@@ -43,6 +53,7 @@ def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
                   "local_layers": sum(spec.window_of(i) is not None for i in range(spec.num_layers)),
                   "params": spec.num_params()},
         "mha_factor": mha_factor(spec),
+        "unsupported_dtypes": unsupported,
         "kv": kv,
         "capacity": {"memory_bytes": memory, "weight_bytes": first.weight_bytes, "utilization": req.utilization,
                      "kv_budget_bytes": {n: c.kv_budget for n, c in cap.items()},
@@ -64,6 +75,8 @@ def render(report: dict) -> None:
                                   if m["local_layers"] else "")
     console.print(f"[bold]{m['name']}[/]: {m['layers']} layers, {attention}, {m['params'] / 1e9:.2f} B parameters; "
                   f"full MHA would cache {report['mha_factor']:.1f}x more")
+    for name, why in report["unsupported_dtypes"].items():
+        console.print(f"{name}: left out ({why})")
     kv = report["kv"]
     contexts = list(next(iter(kv.values()))["total_bytes"])
     table = Table(title="KV cache (scales included; kivi2 keeps the newest 128 tokens in 16-bit floats)")
