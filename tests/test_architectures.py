@@ -52,7 +52,7 @@ def test_logits_match_transformers(tmp_path, case):
     assert llm.engine.kv_manager.pool.num_used == 0
 
 
-@pytest.mark.parametrize("case", ["mistral-sliding", "qwen2-sliding-layers", "gemma3", "deepseek-mla"])
+@pytest.mark.parametrize("case", ["mistral-sliding", "qwen2-sliding-layers", "qwen3", "gemma3", "deepseek-mla"])
 def test_batched_chunked_and_prefix_hits_match_transformers(tmp_path, case):
     arch, overrides = CASES[case]
     hf = save_tiny(tmp_path, arch, **overrides)
