@@ -34,7 +34,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     layer_types: tuple[str, ...] = ()  # "full_attention" or "sliding_attention" per layer
-    sliding_window: int | None = None
     local_rope_theta: float | None = None  # sliding layers' RoPE base, where it differs (Gemma 3)
     rope_freq_factors: list[float] | None = None  # a GGUF file's rope_freqs: each frequency divided by its factor
     qkv_bias: bool = False
@@ -78,7 +77,6 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             layer_types=layer_types,
-            sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
             rope_freq_factors=cfg.get("rope_freq_factors"),
             qkv_bias=bool(cfg.get("attention_bias")),
             o_bias=bool(cfg.get("attention_bias")),

@@ -19,7 +19,6 @@ class NativeCPUBackend(SDPABackend):
         self.stores = [(list(cache.k[j].values()), list(cache.v[j].values()), *codes[:2],
                         list(cache.residual_k[j].values()) if residual else [],
                         list(cache.residual_v[j].values()) if residual else [], codes[2]) for j in range(layout.layers_per_group)]
-
         self.windows = [g.spec.window or 0 for g in layout.groups]
 
     def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float, value_dims: int | None = None) -> torch.Tensor:

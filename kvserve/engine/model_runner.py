@@ -55,6 +55,7 @@ class ModelRunner:
             if config.bf16_matmuls:
                 self.model.use_bf16_matmuls()
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
+        self.windows = [g.spec.window for g in layout.groups]  # per KV group: its sliding window, or None
         self.sdpa = SDPABackend(self.kv_cache)
         self.backend = NativeCPUBackend(self.kv_cache) if self.native else self.sdpa
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
@@ -135,8 +136,7 @@ class ModelRunner:
         if any(verifying):  # ...but a guessing sequence's tokens attend as decodes, each with its own context
             q_starts, q_counts, q_offsets, q_tables = _queries_per_token(torch.tensor(verifying), starts, counts, offsets, tables)
         # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
-        windows = [g.spec.window for g in self.kv_cache.layout.groups]
-        groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs, windows)
+        groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs, self.windows)
                   for rows in (q_counts == 1, (q_counts > 1) & (q_starts == 0), (q_counts > 1) & (q_starts > 0)) if rows.any()]
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                          if s.num_computed_tokens + n == s.num_tokens + len(s.draft_token_ids)]

@@ -17,7 +17,7 @@ from kvserve.errors import KVServeError
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import apply_rotary
-from kvserve.models.llama import MLP, LlamaForCausalLM, Rope
+from kvserve.models.llama import DecoderLayer, LlamaForCausalLM, Rope
 
 
 class MLAttention(nn.Module):
@@ -53,17 +53,8 @@ class MLAttention(nn.Module):
         return self.o_proj(torch.einsum("thr,hvr->thv", out, w_uv).reshape(tokens, -1))
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+class DeepseekDecoderLayer(DecoderLayer):
+    attention_class = MLAttention
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):

@@ -54,10 +54,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_class = Attention
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = self.attention_class(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
