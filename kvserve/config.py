@@ -149,6 +149,7 @@ class EngineConfig:
     cache_type_k: str | None = None
     cache_type_v: str | None = None
     kivi_residual: int = 128
+    kv_policy: str | None = None  # which cached tokens requests keep, e.g. "streaming:sinks=4,window=1024" (kvserve.kv.policies)
     speculative: str | None = None  # a proposer, e.g. "ngram:k=4" (kvserve.spec_decode)
     seed: int = 0
 

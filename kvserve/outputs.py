@@ -20,6 +20,8 @@ class RequestMetrics:
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed...
     num_accepted_tokens: int = 0  # ...and kept
     kv_bytes: int = 0
+    kv_policy: str | None = None  # the KV policy the request ran with (kvserve.kv.policies)
+    num_evicted_tokens: int = 0  # tokens whose K/V the policy evicted
 
     @property
     def ttft(self) -> float | None:

@@ -26,6 +26,7 @@ class SamplingParams:
     # kvserve's own: with prompt_logprobs, also every prompt position's whole next-token log-distribution (fp16)
     prompt_distributions: bool = False
     cache_salt: str | None = None
+    kv_policy: str | None = None  # kvserve's own: this request's KV eviction policy, e.g. "h2o:budget=0.2" ("none": none)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

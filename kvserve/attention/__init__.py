@@ -31,6 +31,9 @@ class QueryGroup:
     # causal mask, which lets it skip the blocks above the diagonal that an explicit mask would make it compute
     # (or, if False, every query sees every key).
     is_causal: bool = False
+    # [B] the first query of each sequence whose attention probabilities vote for cached tokens (a KV policy's
+    # votes; Q or more: none); None: no sequence of the group votes
+    score_from: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -39,7 +42,8 @@ class QueryGroup:
     def to(self, device: torch.device) -> QueryGroup:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QueryGroup(move(self.query_index), move(self.query_valid), [move(t) for t in self.block_tables],
-                          [move(m) for m in self.masks], move(self.flat_index), [move(t) for t in self.context_lens], self.is_causal)
+                          [move(m) for m in self.masks], move(self.flat_index), [move(t) for t in self.context_lens], self.is_causal,
+                          move(self.score_from))
 
 
 @dataclass(slots=True)
@@ -48,6 +52,7 @@ class ForwardContext:
     slot_mappings: list[torch.Tensor]  # per KV layer group: [T] where each token's K/V is written
     groups: list[QueryGroup]
     backend: SDPABackend
+    votes: dict[int, dict[int, torch.Tensor]] | None = None  # layer -> query group -> [B, kv heads, keys] (see score_from)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
                   value_dims: int | None = None) -> torch.Tensor:

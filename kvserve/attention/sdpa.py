@@ -18,9 +18,38 @@ class SDPABackend:
         g, j = self.cache.slot[layer]
         self.cache.write(j, k, v, ctx.slot_mappings[g])
         out = q.new_empty(*q.shape[:2], value_dims or q.shape[2])
-        for group in ctx.groups:
-            out[group.flat_index] = self.attend(g, j, q, group, scale, value_dims)
+        for i, group in enumerate(ctx.groups):
+            if group.score_from is None:
+                out[group.flat_index] = self.attend(g, j, q, group, scale, value_dims)
+            else:
+                out[group.flat_index], ctx.votes.setdefault(layer, {})[i] = self.attend_voting(g, j, q, group, scale, value_dims)
         return out
+
+    def attend_voting(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float,
+                      value_dims: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """attend, computing the probabilities: also returns the votes [B, kv heads, keys], each key's probability
+        summed over the voting queries (from group.score_from on) and the query heads of its KV head."""
+        keys, values = self.cache.gather(j, group.block_tables[g])  # [B, L, KVH, D]
+        if value_dims is not None:
+            values = keys[..., :value_dims]
+        b, length, kv_heads = keys.shape[:3]
+        queries = q[group.query_index]  # [B, Q, H, D]
+        num_q = queries.shape[1]
+        queries = queries.view(b, num_q, kv_heads, -1, queries.shape[-1]).permute(0, 2, 3, 1, 4)  # [B, KVH, rep, Q, D]
+        logits = queries.float() @ keys.float().permute(0, 2, 3, 1)[:, :, None] * scale  # [B, KVH, rep, Q, L]
+        mask = group.masks[g]
+        if mask is None and group.is_causal:
+            mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(num_q, device=q.device)[:, None]
+        if mask is not None:
+            logits = logits.masked_fill(~mask.view(-1, 1, 1, num_q, length) if mask.dim() == 4 else ~mask, float("-inf"))
+        probs = logits.softmax(-1)
+        out = (probs @ values.float().permute(0, 2, 1, 3)[:, :, None]).permute(0, 3, 1, 2, 4).flatten(2, 3)  # [B, Q, H, Dv]
+        query = torch.arange(num_q, device=q.device)[None, :]
+        count = torch.zeros(b, num_q, dtype=torch.bool, device=q.device).flatten()
+        count[group.query_valid] = True
+        voting = (query >= group.score_from[:, None]) & count.view(b, num_q)
+        votes = (probs * voting[:, None, None, :, None]).sum((2, 3))
+        return out.flatten(0, 1)[group.query_valid].to(q.dtype), votes
 
     def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float, value_dims: int | None = None) -> torch.Tensor:
         """The group's valid queries' outputs [V, H, D], over the cache of layer j of KV group g (value_dims: the

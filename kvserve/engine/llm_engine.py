@@ -15,6 +15,7 @@ from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
 from kvserve.kv.manager import KVManager
+from kvserve.kv.policies import KVPolicy, SeqKV, add_votes, parse_policy
 from kvserve.kv.spec import KVLayout, build_layout
 from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import open_checkpoint
@@ -57,10 +58,11 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.requests: dict[str, list[Sequence]] = {}  # a request's completions, by index
-        self.output = OutputProcessor(self.kv_manager, self.tokenizer, eos, self.max_request_tokens, self._finish)
+        self.output = OutputProcessor(self.kv_manager, self.tokenizer, eos, self._finish)
         self.proposer = parse_speculative(config.speculative) if config.speculative else None
         if self.proposer is not None:
             self.proposer.start(self)
+        self.kv_policy = self.resolve_policy(config.kv_policy)
         self._ids = itertools.count()
         self.last_step = StepStats(0, 0, 0.0)
 
@@ -68,6 +70,38 @@ class LLMEngine:
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + output) one request may hold: the context window or the whole pool."""
         return min(self.max_model_len, self.kv_manager.max_tokens_per_request())
+
+    def resolve_policy(self, text: str | None) -> KVPolicy | None:
+        """A KV policy string, parsed and checked against this engine (None: keep every token)."""
+        policy = parse_policy(text)
+        if policy is None:
+            return None
+        config, layout = self.config, self.layout
+        if any(g.spec.kind != "full" for g in layout.groups):
+            raise KVServeError(f"kv_policy {policy.name} needs full-attention layers; {config.model} has "
+                               f"{', '.join(sorted({g.spec.kind for g in layout.groups} - {'full'}))} ones")
+        if layout.has_residual:
+            raise KVServeError(f"kv_policy {policy.name} cannot evict from kivi2 blocks; use a per-token KV dtype")
+        if config.scheduler == "static" or config.speculative or not config.use_kv_cache:
+            raise KVServeError(f"kv_policy {policy.name} needs the continuous scheduler with the KV cache and no speculative decoding")
+        policy.check(config.block_size)
+        if policy.reposition:
+            most = policy.max_slots(1 << 62, config.max_num_batched_tokens, config.block_size)
+            if most > self.max_model_len:
+                raise KVServeError(f"kv_policy {policy}: its window plus a step's tokens ({most}) must fit max_model_len "
+                                   f"({self.max_model_len}); lower the window or max_num_batched_tokens")
+        return policy
+
+    def request_limit(self, policy: KVPolicy | None) -> int:
+        """Prompt + output tokens one request may have: no bound where the policy places tokens at cache slots."""
+        return 1 << 62 if policy is not None and policy.reposition else self.max_request_tokens
+
+    def request_policy(self, params: SamplingParams) -> KVPolicy | None:
+        """The request's own kv_policy ("none": none), else the engine's."""
+        policy = self.kv_policy if params.kv_policy is None else self.resolve_policy(params.kv_policy)
+        if policy is not None and params.n > 1:
+            raise KVServeError(f"kv_policy {policy.name} runs one completion per request (n = 1)")
+        return policy
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt; chat-templated text passes add_special_tokens=False (the template has them)."""
@@ -92,25 +126,29 @@ class LLMEngine:
                     add_special_tokens: bool = True, prompt_text: str | None = None) -> str:
         """Queue a request; `prompt_text` names the text of a prompt passed already tokenized."""
         token_ids = self.tokenize(prompt, add_special_tokens)
-        self.check_request(token_ids, params)
+        policy = self.check_request(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise KVServeError(f"request id {request_id!r} is already in use")
         text, groups = prompt if isinstance(prompt, str) else prompt_text, len(self.layout.groups)
-        first = Sequence(request_id, text, token_ids, params, groups)
+        first = Sequence(request_id, text, token_ids, params, groups, policy=policy, token_limit=self.request_limit(policy))
+        first.metrics.kv_policy = None if policy is None else str(policy)
         # The other completions wait for the first's prefill, then fork from its blocks.
-        first.children = [Sequence(request_id, text, token_ids, params, groups, i, first.metrics) for i in range(1, params.n)]
+        first.children = [Sequence(request_id, text, token_ids, params, groups, i, first.metrics, token_limit=first.token_limit)
+                          for i in range(1, params.n)]
         self.requests[request_id] = [first, *first.children]
         for seq in self.requests[request_id]:
             self.output.add(seq)
         self.scheduler.add(first)
         return request_id
 
-    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> KVPolicy | None:
+        """Raise a clear error for a request this engine cannot run; returns its KV policy."""
         params.validate()
+        policy = self.request_policy(params)
         if params.n > 1 and self.config.scheduler == "static":
             raise KVServeError("the static baseline runs one completion per request (n = 1)")
-        limit, vocab = self.max_request_tokens, self.checkpoint.config.vocab_size
+        limit, vocab = self.request_limit(policy), self.checkpoint.config.vocab_size
         if not token_ids:
             raise KVServeError("the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
@@ -122,6 +160,7 @@ class LLMEngine:
         if len(token_ids) + params.max_tokens > limit:
             raise KVServeError(f"max_tokens {params.max_tokens} is too large: the prompt's {len(token_ids)} tokens plus "
                                f"{params.max_tokens} new ones exceed the limit of {limit} tokens per request")
+        return policy
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):
@@ -145,6 +184,8 @@ class LLMEngine:
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
         self.output.record_computed(batch, self._verified(step))
+        if step.votes or any(seq.policy is not None for seq in batch.seqs):
+            self._evict(batch.seqs, step.votes)
         self.runner.copy_blocks(self._fork(step.seqs))
         if self.kv_manager.sliding:  # give back what slid out of a window now, not at the next step
             for seq in batch.seqs:
@@ -159,6 +200,28 @@ class LLMEngine:
             self._drop_kv(batch)
         return outputs
 
+    def _evict(self, seqs: list[Sequence], votes: dict[Sequence, torch.Tensor]) -> None:
+        """Each policy's evictions after the step: kept tokens move to the front of the cache, emptied blocks go back."""
+        for seq in seqs:
+            policy = seq.policy
+            if policy is None:
+                continue
+            if seq in votes:
+                seq.kv_votes = add_votes(seq.kv_votes, votes[seq][..., :seq.num_slots])
+            keep = policy.keep(SeqKV(seq.num_prompt_tokens, seq.num_computed_tokens, seq.num_slots, self.config.block_size), seq.kv_votes)
+            if not policy.decode_votes and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                seq.kv_votes = None
+            moves = None if keep is None else self.kv_manager.compact(seq, keep.shape[-1])
+            if moves is None:
+                continue
+            self.runner.compact(*moves, keep, policy.reposition)
+            evicted = seq.num_slots - keep.shape[-1]
+            seq.num_evicted_tokens += evicted
+            seq.metrics.num_evicted_tokens += evicted
+            self.scheduler.stats.num_evicted_tokens += evicted
+            if seq.kv_votes is not None:
+                seq.kv_votes = seq.kv_votes.gather(-1, keep.expand(*seq.kv_votes.shape[:-1], -1))
+
     def _propose(self) -> None:
         """Guesses for each decoding sequence, never past max_tokens or the request's token limit (the token
         after the last guess comes too)."""
@@ -166,7 +229,7 @@ class LLMEngine:
         self.proposer.begin_step()
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens == 1 and seq.params.max_tokens:
-                room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_request_tokens - seq.num_tokens) - 1
+                room = min(seq.params.max_tokens - len(seq.output_token_ids), seq.token_limit - seq.num_tokens) - 1
                 limit = min(room, self.proposer.lookahead(seq)) if room > 0 else 0
                 if limit > 0:
                     seqs.append(seq)
@@ -229,7 +292,7 @@ class LLMEngine:
         for seq in batch.seqs:
             if not seq.is_finished and seq.num_uncomputed_tokens == 1:
                 self.kv_manager.free(seq)
-                seq.num_computed_tokens = 0
+                seq.forget_kv()
 
     def kv_usage(self) -> dict:
         """Blocks and bytes of the KV pool, now; a draft model's own pool under "draft" (not in the totals)."""

@@ -2,7 +2,7 @@
 point attention at the KV cache, sample."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class StepInputs:
     sampling_rows: list[int]  # which of the batch's sequences sample (each has 1 + its guesses rows), in order
     # sequences scoring their prompt: (row in the batch, flat index of each scoring token, the prompt token it predicts)
     prompt_rows: list[tuple[int, torch.Tensor, torch.Tensor]]
+    group_rows: list[list[int]]  # the batch rows of each query group
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class StepOutput:
     tokens: list[list[int]]  # each one's new tokens: confirmed guesses, then one sampled token
     rows: list[list[int]]  # each new token's row in sampled.logprobs
     sampled: SamplerOutput | None
+    votes: dict[Sequence, torch.Tensor] = field(default_factory=dict)  # a voting KV policy's: [layers, kv heads, keys]
 
 
 class ModelRunner:
@@ -72,6 +74,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.ctx)
         logits = self.model.compute_logits(hidden[inputs.logits_index])
         self.last_logits = logits
+        votes = _collect_votes(inputs, batch.seqs, self.kv_cache.layout.num_layers)
         rows, first = [], 0  # (sequence, logits row, outputs so far), one per sample
         for row in inputs.sampling_rows:
             seq = batch.seqs[row]
@@ -82,7 +85,7 @@ class ModelRunner:
         sampling = SamplingBatch([s.params for s, _, _ in rows], [s.generator for s, _, _ in rows],
                                  [s.token_ids[: s.num_prompt_tokens] for s, _, _ in rows], [out for _, _, out in rows])
         sampled = sample(logits.cpu()[[i for _, i, _ in rows]], sampling)
-        output = StepOutput([], [], [], sampled)
+        output = StepOutput([], [], [], sampled, votes)
         at = 0
         while at < len(rows):  # each sequence's samples are consecutive: one per guess, then one after them
             seq = rows[at][0]
@@ -111,6 +114,12 @@ class ModelRunner:
             with torch.inference_mode():
                 self.kv_cache.copy_blocks(pairs)
 
+    def compact(self, sources: list[list[int]], dests: list[list[int]], keep: torch.Tensor, reposition: bool) -> None:
+        """A KV policy's kept tokens to the front of a sequence's cache (see KVCache.compact); `reposition`: rotate
+        moved keys to their new slots."""
+        with torch.inference_mode():
+            self.kv_cache.compact(sources, dests, keep, self.model.rotary["full_attention"].shift if reposition else None)
+
     def pack(self, pairs: list[tuple[int, int]]) -> None:
         """kivi2: quantize residual blocks into main blocks, (residual id, main id) pairs."""
         if pairs:
@@ -119,7 +128,7 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs, dev = self.config.block_size, self.device
-        starts = torch.tensor([s.num_computed_tokens for s in batch.seqs])
+        starts = torch.tensor([s.num_slots for s in batch.seqs])  # positions in the cache
         real_counts = torch.tensor(batch.num_tokens)
         counts = real_counts + torch.tensor(batch.padding or [0] * len(batch))
         offsets = torch.cumsum(counts, 0) - counts
@@ -131,13 +140,18 @@ class ModelRunner:
         owner = torch.repeat_interleave(torch.arange(len(batch)), counts)
         positions = starts[owner] + torch.arange(len(owner)) - offsets[owner]
         slot_mappings = [(t[owner, positions // bs] * bs + positions % bs).to(dev) for t in tables]
+        policies = [s.policy for s in batch.seqs]
+        if any(policies):  # RoPE positions are token positions, but for a policy that places tokens at their slots
+            shift = torch.tensor([0 if p is None or p.reposition else s.num_evicted_tokens for s, p in zip(batch.seqs, policies)])
+            positions = positions + shift[owner]
         q_starts, q_counts, q_offsets, q_tables = starts, counts, offsets, tables  # a query row per sequence...
         verifying = [bool(s.draft_token_ids) for s in batch.seqs]
         if any(verifying):  # ...but a guessing sequence's tokens attend as decodes, each with its own context
             q_starts, q_counts, q_offsets, q_tables = _queries_per_token(torch.tensor(verifying), starts, counts, offsets, tables)
         # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
-        groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs, self.windows)
-                  for rows in (q_counts == 1, (q_counts > 1) & (q_starts == 0), (q_counts > 1) & (q_starts > 0)) if rows.any()]
+        votes = _voters(batch) if any(policies) else None
+        selections = [rows for rows in (q_counts == 1, (q_counts > 1) & (q_starts == 0), (q_counts > 1) & (q_starts > 0)) if rows.any()]
+        groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs, self.windows, votes) for rows in selections]
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                          if s.num_computed_tokens + n == s.num_tokens + len(s.draft_token_ids)]
         last = (offsets + real_counts - 1).tolist()
@@ -146,9 +160,25 @@ class ModelRunner:
         prompt_rows = [_prompt_row(i, s, n, int(offsets[i])) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                        if s.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens]
         backend = self.sdpa if batch.rectangular else self.backend
-        ctx = ForwardContext(positions.to(dev), slot_mappings, [g.to(dev) for g in groups], backend)
+        ctx = ForwardContext(positions.to(dev), slot_mappings, [g.to(dev) for g in groups], backend, {} if votes is not None else None)
         return StepInputs(input_ids.to(dev), ctx, logits_index.to(dev), sampling_rows,
-                          [(i, index.to(dev), targets) for i, index, targets in prompt_rows if len(index)])
+                          [(i, index.to(dev), targets) for i, index, targets in prompt_rows if len(index)],
+                          [rows.nonzero().squeeze(1).tolist() for rows in selections])
+
+
+def _collect_votes(inputs: StepInputs, seqs: list[Sequence], num_layers: int) -> dict[Sequence, torch.Tensor]:
+    """Each voting sequence's votes of this step, [layers, kv heads, keys]."""
+    votes, per_layer = {}, inputs.ctx.votes
+    if not per_layer:
+        return votes
+    for i, (group, rows) in enumerate(zip(inputs.ctx.groups, inputs.group_rows)):
+        if group.score_from is None:
+            continue
+        stacked = torch.stack([per_layer[layer][i] for layer in range(num_layers)], 1).cpu()  # [B, layers, KVH, L]
+        for b, row in enumerate(rows):
+            if seqs[row].policy is not None and int(group.score_from[b]) < (1 << 30):
+                votes[seqs[row]] = stacked[b]
+    return votes
 
 
 def _queries_per_token(split: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor]):
@@ -174,7 +204,17 @@ def _prompt_row(row: int, seq, num_tokens: int, offset: int) -> tuple[int, torch
     return row, offset + targets - 1 - start, torch.tensor(seq.token_ids)[targets] if len(targets) else targets
 
 
-def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor], bs: int, windows: list[int | None]) -> QueryGroup:
+def _voters(batch: ScheduledBatch) -> torch.Tensor | None:
+    """Each sequence's first query whose attention votes for its cached tokens (a KV policy's); None: no votes."""
+    big, first = 1 << 30, []
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        at = seq.policy.voters(seq.num_prompt_tokens, seq.num_computed_tokens, n) if seq.policy is not None else None
+        first.append(big if at is None else at)
+    return torch.tensor(first) if min(first) < big else None
+
+
+def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor], bs: int, windows: list[int | None],
+           votes: torch.Tensor | None = None) -> QueryGroup:
     """Pad the selected sequences' queries to [B, Q]; their keys are whole blocks, masked past each query. A sliding
     group's keys start at the first block any query's window reaches, masked before each query's window."""
     start, count, offset = starts[rows], counts[rows], offsets[rows]
@@ -194,7 +234,8 @@ def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tenso
         keys[window] = first, None if implicit else allowed.unsqueeze(1)
     return QueryGroup(query_index, valid.flatten().nonzero().squeeze(1),
                       [t[rows, keys[w][0]:num_blocks] for t, w in zip(tables, windows)], [keys[w][1] for w in windows],
-                      query_index[valid], [start + count - keys[w][0] * bs for w in windows], from_start)
+                      query_index[valid], [start + count - keys[w][0] * bs for w in windows], from_start,
+                      votes[rows] if votes is not None and bool((votes[rows] < count).any()) else None)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device) -> CausalLM:

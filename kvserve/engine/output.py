@@ -16,10 +16,8 @@ from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 
 class OutputProcessor:
-    def __init__(self, kv: KVManager, tokenizer, eos_token_ids: set[int], max_request_tokens: int,
-                 finish: Callable[[Sequence, str], None]):
-        self.kv, self.tokenizer, self.eos_token_ids = kv, tokenizer, eos_token_ids
-        self.max_request_tokens, self.finish = max_request_tokens, finish
+    def __init__(self, kv: KVManager, tokenizer, eos_token_ids: set[int], finish: Callable[[Sequence, str], None]):
+        self.kv, self.tokenizer, self.eos_token_ids, self.finish = kv, tokenizer, eos_token_ids, finish
         self.detokenizers: dict[Sequence, IncrementalDetokenizer] = {}
 
     def add(self, seq: Sequence) -> None:
@@ -102,7 +100,7 @@ class OutputProcessor:
             if at != -1:
                 seq.stop_reason = stop
                 return text[:at], "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_request_tokens:
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= seq.token_limit:
             return text, "length"
         return text, None
 

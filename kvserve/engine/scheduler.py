@@ -51,6 +51,7 @@ class SchedulerStats:
     num_accepted_tokens: int = 0  # ...and kept
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens served from it
+    num_evicted_tokens: int = 0  # KV policies: tokens whose K/V was evicted
 
 
 class Scheduler:
@@ -143,7 +144,7 @@ class Scheduler:
             batch.swap_out.append((seq, self.kv.swap_out(seq)))
         else:
             self.kv.free(seq)
-            seq.num_computed_tokens = 0
+            seq.forget_kv()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.stats.num_preemptions += 1
@@ -176,7 +177,7 @@ class Scheduler:
         cached = kv.allocate_cached_prefix(seq)
         if not kv.can_hold_prompt(seq) or not kv.allocate_slots(seq, min(seq.num_uncomputed_tokens, budget)):
             kv.free(seq)
-            seq.num_computed_tokens = 0
+            seq.forget_kv()
             return False
         if kv.enable_prefix_caching:
             self.stats.prefix_queries += seq.num_tokens

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from kvserve.kv.policies import KVPolicy
 from kvserve.outputs import RequestMetrics, TokenLogprob
 from kvserve.sampling_params import SamplingParams
 
@@ -18,20 +19,26 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One completion of a request: its tokens and where its KV lives.
 
-    `num_computed_tokens` tokens have K/V in the cache (in the blocks of `block_tables`, one table per
-    layer group); the rest of `token_ids` still has to go through the model. A finished prefill samples a
+    `num_computed_tokens` tokens have been through the model; the cache holds K/V of `num_slots` of them (in the
+    blocks of `block_tables`, one table per layer group): all, unless a KV policy evicted some. The rest of
+    `token_ids` still has to go through the model. A finished prefill samples a
     token, which is appended. With n > 1, completion 0 prefills the prompt and the others wait in its
     `children` until then, to fork from its blocks.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 num_kv_groups: int = 1, index: int = 0, metrics: RequestMetrics | None = None):
+                 num_kv_groups: int = 1, index: int = 0, metrics: RequestMetrics | None = None, policy: KVPolicy | None = None,
+                 token_limit: int = 1 << 62):
         self.request_id, self.prompt, self.params, self.index = request_id, prompt, params, index
         self.children: list[Sequence] = []
         self.num_shared_tokens = 0  # a forked completion: prompt tokens in blocks it shares with completion 0
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.policy = policy  # which cached tokens to evict (kvserve.kv.policies)
+        self.num_evicted_tokens = 0  # computed tokens whose K/V the policy evicted
+        self.kv_votes: torch.Tensor | None = None  # a voting policy's accumulated votes, [layers, kv heads, slots]
+        self.token_limit = token_limit  # prompt + output tokens at most
         self.block_tables: list[list[int]] = [[] for _ in range(num_kv_groups)]
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids, filled lazily
         self.num_hashed_blocks = 0  # leading blocks of the tables registered in the prefix cache
@@ -59,6 +66,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_slots(self) -> int:
+        """Tokens whose K/V the cache holds, at slots 0 .. num_slots - 1."""
+        return self.num_computed_tokens - self.num_evicted_tokens
+
+    def forget_kv(self) -> None:
+        """Its cache is gone (preempted for recompute): every token has to go through the model again."""
+        self.num_computed_tokens = self.num_evicted_tokens = 0
+        self.kv_votes = None
 
     @property
     def output_token_ids(self) -> list[int]:

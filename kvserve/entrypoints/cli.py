@@ -41,6 +41,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-type-v", default=None, metavar="DTYPE", help="V apart from K (overrides --kv-cache-dtype)")
     parser.add_argument("--kivi-residual", type=int, default=d.kivi_residual,
                         help="kivi2: newest tokens per request kept in full precision (a multiple of --block-size)")
+    parser.add_argument("--kv-policy", default=None, metavar="POLICY",
+                        help="which cached tokens requests keep, NAME:key=value,...: streaming:sinks=4,window=1024 (runs past the "
+                             "context window), h2o:budget=0.2 (heavy hitters + recent), snapkv:budget=512 (the prompt's "
+                             "last queries vote); budgets are tokens or a fraction")
     parser.add_argument("--speculative", default=None, metavar="PROPOSER",
                         help="speculative decoding, NAME[:key=value,...]: ngram[:k=5,n=3] (prompt lookup), "
                              "draft:model=PATH[,k=4] (a small model), self:layers=N[,k=3] (the model's first N layers)")
@@ -55,7 +59,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         preemption_mode=args.preemption_mode, scheduler=args.scheduler, use_kv_cache=not args.no_kv_cache,
         native_kernels=not args.no_native_kernels, matmul_dtype=args.matmul_dtype, kv_cache_dtype=args.kv_cache_dtype,
         cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, kivi_residual=args.kivi_residual,
-        speculative=args.speculative, seed=args.seed,
+        kv_policy=args.kv_policy, speculative=args.speculative, seed=args.seed,
     )
 
 
@@ -85,7 +89,11 @@ def stats_line(out: RequestOutput) -> str:
     prefilled = m.num_prompt_tokens - m.cached_tokens
     return (f"[{m.num_prompt_tokens} prompt tokens: {prefilled} prefilled, {m.cached_tokens} from cache | "
             f"{m.num_output_tokens} generated | TTFT {m.ttft * 1000:.0f} ms | decode {rate} | "
-            f"KV {m.kv_bytes / 2**20:.2f} MiB{_speculation(m)} | finish: {out.outputs[0].finish_reason}]")
+            f"KV {m.kv_bytes / 2**20:.2f} MiB{_eviction(m)}{_speculation(m)} | finish: {out.outputs[0].finish_reason}]")
+
+
+def _eviction(m) -> str:
+    return f" ({m.kv_policy}: {m.num_evicted_tokens} tokens evicted)" if m.kv_policy else ""
 
 
 def _speculation(m) -> str:
@@ -222,7 +230,7 @@ def cmd_memory(args: argparse.Namespace) -> None:
         dtypes=args.kv_dtype or PlanRequest().dtypes, contexts=args.contexts, batches=args.batch,
         memory=parse_size(args.memory) if args.memory else None, num_devices=args.num_devices,
         weight_bytes=parse_size(args.weight_bytes) if args.weight_bytes else None, weight_bits=args.weight_bits,
-        utilization=args.utilization,
+        utilization=args.utilization, policies=args.kv_policy or [],
     )
     report = plan(spec, device, request)
     if args.json:
@@ -249,6 +257,7 @@ def _add_memory_parser(sub) -> None:
     mem.add_argument("--utilization", type=float, default=0.9, help="share of memory the engine may use")
     mem.add_argument("--flops", type=float, help="peak FLOP/s of a custom device")
     mem.add_argument("--bandwidth", type=float, help="memory bandwidth (bytes/s) of a custom device")
+    mem.add_argument("--kv-policy", action="append", help="also plan a KV policy, e.g. h2o:budget=0.2 (repeatable)")
     mem.add_argument("--json", action="store_true")
     mem.add_argument("--plot", help="write a PNG of KV GiB against context length")
     mem.set_defaults(func=cmd_memory)

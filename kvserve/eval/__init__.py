@@ -43,16 +43,20 @@ class EvalSettings:
 
 
 def parse_options(text: str) -> dict:
-    """'kv_cache_dtype=int8,kivi_residual=64' -> engine keywords, typed like EngineConfig's fields."""
+    """'kv_cache_dtype=int8,kivi_residual=64' -> engine keywords, typed like EngineConfig's fields. A value of the form
+    NAME:key=value,... (kv_policy, speculative) takes the items after it that name no engine option."""
     fields = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "model"}
-    options = {}
+    options, last = {}, None
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = (s.strip() for s in item.partition("="))
+        if name not in fields and last is not None and ":" in str(options[last]):
+            options[last] += "," + item
+            continue
         if not sep or not name:
             raise KVServeError(f"option {item!r} is not name=value")
         if name not in fields:
             raise KVServeError(f"unknown engine option {name!r}; choose from {', '.join(fields)}")
-        options[name] = _typed(name, value, str(fields[name].type))
+        options[name], last = _typed(name, value, str(fields[name].type)), name
     return options
 
 
@@ -77,7 +81,7 @@ def run_eval(settings: EvalSettings, progress: bool = True) -> dict:
     base = parse_options(settings.base)
     runs = {"baseline": base} | {name: {**base, **parse_options(name)} for name in settings.compare}
     first = _engine(settings, base)  # validates the model and the context before any long work
-    max_len = first.engine.max_model_len
+    max_len = first.engine.request_limit(first.engine.kv_policy)  # past the model's window under streaming
     if settings.context > max_len:
         raise KVServeError(f"context {settings.context} is longer than the model's window of {max_len} tokens")
     ids = first.engine.tokenize(load_text(settings.text))
@@ -118,21 +122,22 @@ def _engine(settings: EvalSettings, options: dict) -> LLM:
 
 def _score(llm: LLM, windows: list[list[int]], reference: list[torch.Tensor] | None, bar) -> dict:
     """Perplexity over the windows; KL and top-1 agreement against the reference distributions (the baseline's)."""
-    nll, kl, agree, count, distributions = 0.0, 0.0, 0, 0, []
+    nll, kl, agree, count, distributions, held = 0.0, 0.0, 0, 0, [], 0
     for i, window in enumerate(windows):
         params = SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_distributions=True)
         out = llm.generate(window, params, use_tqdm=False)[0]
         nll -= sum(s.logprob for s in out.prompt_logprobs[1:])
+        held += out.metrics.kv_bytes
         count += len(window) - 1
-        logp = out.prompt_distributions.float()
         if reference is None:
             distributions.append(out.prompt_distributions)
         else:
-            ref = reference[i].float()
-            kl += float((ref.exp() * (ref - logp)).sum(-1).clamp(min=0).sum())
-            agree += int((ref.argmax(-1) == logp.argmax(-1)).sum())
+            for ref, mine in zip(reference[i].split(1024), out.prompt_distributions.split(1024)):  # bounded memory
+                ref, mine = ref.float(), mine.float()
+                kl += float((ref.exp() * (ref - mine)).sum(-1).clamp(min=0).sum())
+                agree += int((ref.argmax(-1) == mine.argmax(-1)).sum())
         bar.update(1)
-    scored = {"perplexity": math.exp(nll / count), "distributions": distributions}
+    scored = {"perplexity": math.exp(nll / count), "distributions": distributions, "kv_bytes_held": held / len(windows)}
     if reference is not None:
         scored |= {"kl_mean": kl / count, "top1_agreement": agree / count}
     else:

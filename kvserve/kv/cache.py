@@ -69,6 +69,26 @@ class KVCache:
         floats = residual[j]["data"].index_select(0, (ids - self.num_blocks).clamp(min=0)).to(self.dtype)
         return torch.where(in_residual[:, None, None, None], floats, main).flatten(0, 1)
 
+    def compact(self, sources: list[list[int]], dests: list[list[int]], keep: torch.Tensor, shift=None) -> None:
+        """Move each layer's kept tokens to the front of a sequence's cache: `keep` [layers or 1, heads or 1, n] are
+        slots of the blocks in `sources` (per group); they go to slots 0..n-1 of the blocks in `dests`. shift(k, by)
+        re-positions moved keys by `by` [n, heads] positions (RoPE), for a policy whose positions are slots."""
+        n, heads, bs, dev = keep.shape[-1], self.layout.groups[0].spec.num_heads, self.block_size, self.device
+        keep = keep.to(dev)
+        new = torch.arange(n, device=dev)
+        for g, group in enumerate(self.layout.groups):
+            src = torch.tensor(sources[g], device=dev)[None]
+            dst = torch.tensor(dests[g], device=dev)
+            slots = dst[new // bs] * bs + new % bs
+            for j, layer in enumerate(group.layers):
+                index = keep[min(layer, keep.shape[0] - 1)].expand(heads, n).T  # [n, heads]
+                keys, values = self.gather(j, src)
+                k = keys[0].gather(0, index[..., None].expand(-1, -1, keys.shape[-1]))
+                if shift is not None:
+                    k = shift(k, new[:, None] - index)
+                v = values[0].gather(0, index[..., None].expand(-1, -1, values.shape[-1])) if self.v[j] else None
+                self.write(j, k, v, slots)
+
     def pack(self, pairs: list[tuple[int, int]]) -> None:
         """Quantize residual blocks into main blocks: (residual id, main id) pairs."""
         src = torch.tensor([s - self.num_blocks for s, _ in pairs], device=self.device)

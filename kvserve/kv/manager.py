@@ -106,7 +106,10 @@ class KVManager:
     def can_hold_prompt(self, seq: Sequence) -> bool:
         """Whether the pool has room now for the rest of the sequence's tokens (kivi2: those it will pack). Admitting
         one that has not would only preempt others a few prefill chunks later."""
-        packed_later = max(0, seq.num_tokens - self.layout.residual_tokens) if self.residual else seq.num_tokens
+        held_later = seq.num_tokens
+        if seq.policy is not None:
+            held_later = seq.policy.max_slots(seq.num_tokens, self.chunk_tokens, self.block_size)
+        packed_later = max(0, held_later - self.layout.residual_tokens) if self.residual else held_later
         held = sum(len(table) - table.count(NULL) for table in seq.block_tables)
         return self.blocks_for(packed_later) - held <= self.pool.num_free
 
@@ -114,7 +117,7 @@ class KVManager:
         """Make room for `num_new_tokens` more tokens (after giving back blocks that slid out of a window); False,
         allocating nothing, if the pool is short."""
         self.slide(seq)
-        new = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_tables[0])
+        new = -(-(seq.num_slots + num_new_tokens) // self.block_size) - len(seq.block_tables[0])
         pool = self.residual or self.pool  # kivi2: new tokens are written in float
         if new * self.num_groups > pool.num_free:
             return False
@@ -122,6 +125,30 @@ class KVManager:
             for table in seq.block_tables:
                 table.append(pool.allocate())
         return True
+
+    def compact(self, seq: Sequence, kept: int) -> tuple[list[list[int]], list[list[int]]] | None:
+        """A policy keeps `kept` of the sequence's slots, to be moved to the front: returns each group's blocks the
+        values are read from and the blocks they go to, and gives back the blocks left empty. The runner moves the
+        values before anything else writes to the pool. A block that is shared or in the prefix cache is never
+        written: a new one takes its place (None, changing nothing, if the pool has none for it)."""
+        bs, pool = self.block_size, self.pool
+        used, needed = -(-seq.num_slots // bs), -(-kept // bs)
+        exclusive = lambda b: pool.block(b).ref_count == 1 and pool.block(b).hash is None  # noqa: E731
+        replaced = sum(not exclusive(b) for table in seq.block_tables for b in table[:needed])
+        freed = sum(pool.block(b).ref_count == 1 for table in seq.block_tables for i, b in enumerate(table[:used])
+                    if i >= needed or not exclusive(b))
+        if replaced > pool.num_free + freed:
+            return None
+        sources = [table[:used] for table in seq.block_tables]
+        for table in seq.block_tables:
+            for i, block_id in enumerate(table[:used]):
+                if i >= needed or not exclusive(block_id):
+                    pool.release(block_id)
+                    table[i] = None
+            del table[needed:]
+        for table in seq.block_tables:
+            table[:] = [pool.allocate() if b is None else b for b in table]
+        return sources, [list(t) for t in seq.block_tables]
 
     def pack_aged(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """kivi2: move each sequence's residual blocks that are now old enough to main blocks, while the pool
@@ -169,7 +196,7 @@ class KVManager:
 
     def truncate(self, seq: Sequence) -> None:
         """Give back the blocks past the one its next token goes to (rejected guesses filled them)."""
-        keep = -(-(seq.num_computed_tokens + 1) // self.block_size)
+        keep = -(-(seq.num_slots + 1) // self.block_size)
         for table in seq.block_tables:
             while len(table) > keep:
                 block_id = table.pop()
@@ -178,7 +205,7 @@ class KVManager:
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are full of computed tokens in the prefix cache (kivi2: at packing)."""
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        if not self.enable_prefix_caching or self.residual or full <= seq.num_hashed_blocks:
+        if not self.enable_prefix_caching or self.residual or seq.num_evicted_tokens or full <= seq.num_hashed_blocks:
             return
         self._hash_full_blocks(seq)
         for i in range(seq.num_hashed_blocks, full):
@@ -197,7 +224,7 @@ class KVManager:
     def swap_out(self, seq: Sequence) -> list[int]:
         """Free the sequence's blocks, remembering which pool each came from (None: a NULL entry); returns the
         blocks whose values must be copied out first (those of computed tokens, every group in turn)."""
-        used = -(-seq.num_computed_tokens // self.block_size)
+        used = -(-seq.num_slots // self.block_size)
         ids = [block_id for table in seq.block_tables for block_id in table[:used] if block_id != NULL]
         seq.swapped_kinds = [[None if b == NULL else self.residual is not None and b in self.residual for b in table[:used]]
                              for table in seq.block_tables]
@@ -226,7 +253,7 @@ class KVManager:
         """Bytes a request's computed tokens take in the cache (blocks its completions share, once)."""
         total, layout = 0.0, self.layout
         for seq in seqs:
-            computed = seq.num_computed_tokens
+            computed = seq.num_slots
             shared = min(seq.num_shared_tokens, computed)
             if not self.residual:
                 total += layout.bytes_held(computed) - layout.bytes_held(shared)

@@ -37,6 +37,7 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, freq_factors: list[float] | None = None):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling, freq_factors)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
@@ -45,6 +46,14 @@ class RotaryEmbedding(torch.nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for these positions, shaped [tokens, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+    def shift(self, x: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
+        """Keys x [tokens, heads, head_dim] already rotated for their positions, rotated `by` [tokens, heads] positions
+        more (negative: back), as if computed at the new positions."""
+        angles = by[..., None].to(self.inv_freq.dtype) * self.inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        return apply_rotary(x.float(), angles.cos(), angles.sin()).to(x.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

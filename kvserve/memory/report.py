@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, replace
 
 from kvserve.errors import KVServeError
 from kvserve.kv.formats import FORMATS
+from kvserve.kv.policies import parse_policy
 
 from kvserve.memory.planner import ALIASES, Device, capacity, kv_bytes, kv_bytes_per_token, kv_layout, mha_factor, roofline
 from kvserve.memory.spec import ModelSpec
@@ -22,6 +23,7 @@ class PlanRequest:
     weight_bytes: int | None = None
     weight_bits: int = 16
     utilization: float = 0.9
+    policies: list[str] = field(default_factory=list)  # KV policies (kvserve.kv.policies) to plan, on the first dtype
 
 
 def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
@@ -44,6 +46,13 @@ def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
     cap = {name: capacity(spec, memory, req.contexts, name, req.weight_bytes, req.weight_bits, req.utilization)
            for name in req.dtypes}
     first = cap[req.dtypes[0]]
+    policies = {}
+    for text in req.policies:
+        policy, layout = parse_policy(text), kv_layout(spec, req.dtypes[0])
+        held = {c: policy.held(c) for c in req.contexts}
+        per_request = {c: layout.bytes_held(n) for c, n in held.items()}
+        policies[str(policy)] = {"held_tokens": held, "bytes_per_request": per_request,
+                                 "max_requests": {c: max(0, int(first.kv_budget // b)) for c, b in per_request.items()}}
     batch, context = req.batches[-1], req.contexts[0]
     prefill, decode = roofline(spec, batch, context, req.dtypes[0], req.weight_bits)
     return {
@@ -55,6 +64,7 @@ def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
         "mha_factor": mha_factor(spec),
         "unsupported_dtypes": unsupported,
         "kv": kv,
+        "policies": policies,
         "capacity": {"memory_bytes": memory, "weight_bytes": first.weight_bytes, "utilization": req.utilization,
                      "kv_budget_bytes": {n: c.kv_budget for n, c in cap.items()},
                      "max_requests": {n: c.max_requests for n, c in cap.items()}},
@@ -97,6 +107,16 @@ def render(report: dict) -> None:
         table.add_column(f"max requests @ {c:,}", justify="right")
     for name, fits in cap["max_requests"].items():
         table.add_row(name, f"{cap['kv_budget_bytes'][name] / GiB:,.1f} GiB", *(f"{fits[c]:,}" for c in contexts))
+    if report["policies"]:
+        console.print(table)
+        first = next(iter(kv))
+        table = Table(title=f"KV policies ({first}): tokens kept, KV per request, max requests")
+        table.add_column("policy", no_wrap=True)
+        for c in contexts:
+            table.add_column(f"@ {c:,}", justify="right")
+        for name, row in report["policies"].items():
+            table.add_row(name, *(f"{row['held_tokens'][c]:,} tok, {row['bytes_per_request'][c] / GiB:,.3f} GiB, "
+                                  f"{row['max_requests'][c]:,}" for c in contexts))
     console.print(table)
     if min(cap["kv_budget_bytes"].values()) <= 0:
         console.print(f"[red]the weights ({cap['weight_bytes'] / GiB:,.1f} GiB) leave no room for the KV cache in "

@@ -123,7 +123,7 @@ class Server:
         """Validate every prompt before any starts, then start one engine request per prompt, each with n
         completions (they share its prefill); choice index = prompt * n + completion."""
         limit, jobs = self.engine.max_request_tokens, []
-        for ids in prompts:
+        for ids in prompts:  # no max_tokens: up to the context window (also under a policy that could go past it)
             tokens = max_tokens if max_tokens is not None else max(1, limit - len(ids))
             params = req.sampling_params(tokens, logprobs, prompt_logprobs)
             self.engine.check_request(ids, params)

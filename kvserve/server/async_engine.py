@@ -191,15 +191,19 @@ class AsyncEngine:
     def _snapshot(self) -> dict:
         engine, kv = self.engine, self.engine.kv_manager
         owners: dict[int, list[str]] = {}
+        compacted = set()  # blocks of requests whose policy evicted tokens: they hold the kept ones, not a run of positions
         for seq in (s for seqs in engine.requests.values() for s in seqs):
             for block_id in {b for table in seq.block_tables for b in table}:
                 owners.setdefault(block_id, []).append(seq.request_id)
+                if seq.num_evicted_tokens:
+                    compacted.add(block_id)
         pools = [(kv.pool, False)] + ([(kv.residual, True)] if kv.residual else [])
-        blocks = [{"owners": owners.get(b.id, []), "ref": b.ref_count, "cached": b.hash is not None, "residual": residual}
+        blocks = [{"owners": owners.get(b.id, []), "ref": b.ref_count, "cached": b.hash is not None, "residual": residual,
+                   "compacted": b.id in compacted}
                   for pool, residual in pools for b in pool.blocks]
         layout = {**engine.layout.to_dict(), "description": engine.layout.describe()}
         return {"blocks": blocks, "block_size": kv.block_size, "layout": layout, "usage": engine.kv_usage(),
-                "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+                "evicted_tokens": engine.scheduler.stats.num_evicted_tokens, "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                 "history": list(self.usage_history), **self.recent.summary()}
 
 

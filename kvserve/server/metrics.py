@@ -44,6 +44,7 @@ class Metrics:
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed and verified.")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.")
+        self.evicted_tokens = counter("kv_evicted_tokens", "KV policies: cached tokens evicted.")
         self.finished = Counter("kvserve:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model = model
@@ -57,6 +58,7 @@ class Metrics:
         self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
         self.draft_tokens.inc(stats.num_draft_tokens - last.num_draft_tokens)
         self.accepted_tokens.inc(stats.num_accepted_tokens - last.num_accepted_tokens)
+        self.evicted_tokens.inc(stats.num_evicted_tokens - last.num_evicted_tokens)
         self._last_stats = replace(stats)
 
     def record_finished(self, reason: str) -> None:

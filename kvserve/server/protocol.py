@@ -43,6 +43,7 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] = Field(default_factory=list)
     cache_salt: str | None = None
+    kv_policy: str | None = None  # kvserve's own, like vLLM's extra fields: this request's KV eviction policy
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Completion i of n samples with seed + i, so n > 1 with a seed gives n different but reproducible answers."""
@@ -51,7 +52,7 @@ class SamplingRequest(BaseModel):
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, max_tokens=max_tokens, stop=stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt,
+            prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt, kv_policy=self.kv_policy,
         )
 
 
@@ -115,13 +116,19 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict:
-    """OpenAI's usage, plus kvserve's forked_blocks (prompt blocks n > 1 completions shared instead of computing) and,
-    with speculative decoding, the tokens proposed and accepted."""
+    """OpenAI's usage, plus kvserve's forked_blocks (prompt blocks n > 1 completions shared instead of computing),
+    the KV bytes the request held at its end, with a KV policy its name and the tokens it evicted, and, with
+    speculative decoding, the tokens proposed and accepted."""
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = max((o.metrics.cached_tokens for o in outputs), default=0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached}, "forked_blocks": sum(o.metrics.forked_blocks for o in outputs),
-            **_speculative(outputs)}
+            "kv_bytes": sum(o.metrics.kv_bytes for o in outputs), **_kv_policy(outputs), **_speculative(outputs)}
+
+
+def _kv_policy(outputs: list[RequestOutput]) -> dict:
+    policy = next((o.metrics.kv_policy for o in outputs if o.metrics.kv_policy), None)
+    return {"kv_policy": {"name": policy, "evicted_tokens": sum(o.metrics.num_evicted_tokens for o in outputs)}} if policy else {}
 
 
 def _speculative(outputs: list[RequestOutput]) -> dict:
