@@ -106,6 +106,13 @@ def test_bad_options(options, message):
         parse_options(options)
 
 
+def test_policy_options_keep_their_commas():
+    assert parse_options("matmul_dtype=float32,kv_policy=streaming:sinks=4,window=64,block_size=8") == {
+        "matmul_dtype": "float32", "kv_policy": "streaming:sinks=4,window=64", "block_size": 8}
+    with pytest.raises(KVServeError, match="option 'window=64' is not|unknown engine option 'window'"):
+        parse_options("block_size=8,window=64")
+
+
 def test_bad_values_text_and_context(tmp_path):
     with pytest.raises(KVServeError, match="kv_cache_dtype must be one of .* got 'int3'"):
         run_eval(EvalSettings(compare=["kv_cache_dtype=int3"], base="kv_cache_dtype=int3"), progress=False)

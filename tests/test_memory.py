@@ -187,3 +187,17 @@ def test_layout_groups_layers_of_equal_specs_in_equal_sizes():
     mla = kv_layout(load_spec("deepseek-v3"))
     assert [g.spec for g in mla.groups][0].kind == "latent" and len(mla.groups) == 1 and mla.bytes_per_token == 70_272
     assert len(group_layers(layer_specs(load_spec("llama-3-8b")))) == 1
+
+
+def test_plans_kv_policy_budgets():
+    """Llama 3 8B at 128 KiB/token in bf16: a policy's request holds its kept tokens only."""
+    spec = load_spec("llama-3-8b")
+    report = plan(spec, DEVICES["h100-80gb"], PlanRequest(dtypes=["bf16"], contexts=[4096, 32768],
+                                                          policies=["streaming:sinks=4,window=1024", "h2o:budget=0.2"]))
+    streaming, h2o = report["policies"]["streaming:sinks=4,window=1024"], report["policies"]["h2o:budget=0.2,recent=0.5"]
+    assert streaming["held_tokens"] == {4096: 1028, 32768: 1028} and streaming["bytes_per_request"][32768] == 1028 * 128 * KiB
+    assert h2o["held_tokens"] == {4096: 820, 32768: 6554}
+    budget = report["capacity"]["kv_budget_bytes"]["bf16"]
+    assert h2o["max_requests"][32768] == budget // (6554 * 128 * KiB) > report["capacity"]["max_requests"]["bf16"][32768]
+    with pytest.raises(KVServeError, match="unknown kv_policy"):
+        plan(spec, DEVICES["h100-80gb"], PlanRequest(policies=["lru:budget=3"]))

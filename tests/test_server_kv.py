@@ -33,3 +33,24 @@ def test_layout_on_metrics_and_live_page(server):
     state = httpx.get(f"{server}/kv/state").json()
     assert state["layout"]["bytes_per_token"] == per_token and "KV int8" in state["layout"]["description"]
     assert len(state["blocks"]) == state["usage"]["num_blocks"] == 64 * 2**20 // (16 * per_token)
+
+
+def test_a_request_picks_a_kv_policy(server):
+    """The extra field kv_policy: usage names it and counts the evicted tokens, /metrics and /kv/state add them up; a
+    bad policy is a 400 that says why."""
+    per_token = 2 * 30 * 3 * (64 + 2 * 2)
+    body = {"model": "test-model", "prompt": "The history of Paris, from the Romans to today. " * 12, "max_tokens": 16,
+            "temperature": 0, "kv_policy": "h2o:budget=32"}
+    reply = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    usage = reply["usage"]
+    assert usage["kv_policy"]["name"] == "h2o:budget=32,recent=0.5"
+    assert usage["kv_policy"]["evicted_tokens"] >= usage["prompt_tokens"] - 32
+    assert 0 < usage["kv_bytes"] <= (32 + 15) * per_token
+    metrics = httpx.get(f"{server}/metrics").text
+    evicted = [line for line in metrics.splitlines() if line.startswith("kvserve:kv_evicted_tokens_total")][0]
+    assert float(evicted.split()[-1]) >= usage["kv_policy"]["evicted_tokens"]
+    assert httpx.get(f"{server}/kv/state").json()["evicted_tokens"] >= usage["kv_policy"]["evicted_tokens"]
+    plain = httpx.post(f"{server}/v1/completions", json={**body, "kv_policy": None}, timeout=60).json()["usage"]
+    assert "kv_policy" not in plain and plain["kv_bytes"] > usage["kv_bytes"]
+    bad = httpx.post(f"{server}/v1/completions", json={**body, "kv_policy": "h2o:budget=0"}, timeout=60)
+    assert bad.status_code == 400 and "budget must be > 0" in bad.json()["error"]["message"]

@@ -44,10 +44,9 @@ class SDPABackend:
             logits = logits.masked_fill(~mask.view(-1, 1, 1, num_q, length) if mask.dim() == 4 else ~mask, float("-inf"))
         probs = logits.softmax(-1)
         out = (probs @ values.float().permute(0, 2, 1, 3)[:, :, None]).permute(0, 3, 1, 2, 4).flatten(2, 3)  # [B, Q, H, Dv]
-        query = torch.arange(num_q, device=q.device)[None, :]
-        count = torch.zeros(b, num_q, dtype=torch.bool, device=q.device).flatten()
-        count[group.query_valid] = True
-        voting = (query >= group.score_from[:, None]) & count.view(b, num_q)
+        valid = torch.zeros(b * num_q, dtype=torch.bool, device=q.device)
+        valid[group.query_valid] = True
+        voting = (torch.arange(num_q, device=q.device)[None, :] >= group.score_from[:, None]) & valid.view(b, num_q)
         votes = (probs * voting[:, None, None, :, None]).sum((2, 3))
         return out.flatten(0, 1)[group.query_valid].to(q.dtype), votes
 

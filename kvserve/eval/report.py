@@ -13,14 +13,14 @@ def render(report: dict) -> None:
                         f"{report['settings']['context']:,}, scored {report['settings']['chunk']} at a time")
     for column in ("options", "KV B/token", "tokens/GiB", "KV held", "perplexity", "ΔPPL", "KL (mean)", "top-1 agree", "passkey",
                    "decode tok/s"):
-        table.add_column(column, justify="left" if column == "options" else "right")
+        table.add_column(column, justify="left" if column == "options" else "right", no_wrap=column == "options")
     for r in report["results"]:
         table.add_row(r["name"], f"{r['kv_bytes_per_token']:,.0f}",
                       f"{r['tokens_per_gib']:,.0f} ({r['tokens_per_gib'] / base['tokens_per_gib']:.2f}x)",
                       f"{r['kv_bytes_held'] / 2**20:,.1f} MiB ({r['kv_bytes_held'] / base['kv_bytes_held']:.2f}x)",
                       f"{r['perplexity']:.3f}", f"{r['delta_ppl']:+.2%}", f"{r['kl_mean']:.2e}", f"{r['top1_agreement']:.1%}",
                       f"{r['passkey_accuracy']:.0%}", f"{r['decode_tok_s']:.1f} ({r['decode_tok_s'] / base['decode_tok_s']:.2f}x)")
-    console = Console(width=max(Console().width, 150))  # the table's columns, whole, even when piped
+    console = Console(width=max(Console().width, 190))  # the table's columns, whole, even when piped
     console.print(table)
     depths = report["settings"]["passkey_depths"]
     console.print("passkey found, by context length (rows) and depth % (columns " + ", ".join(map(str, depths)) + "):")

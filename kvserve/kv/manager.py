@@ -135,13 +135,13 @@ class KVManager:
         used, needed = -(-seq.num_slots // bs), -(-kept // bs)
         exclusive = lambda b: pool.block(b).ref_count == 1 and pool.block(b).hash is None  # noqa: E731
         replaced = sum(not exclusive(b) for table in seq.block_tables for b in table[:needed])
-        freed = sum(pool.block(b).ref_count == 1 for table in seq.block_tables for i, b in enumerate(table[:used])
+        freed = sum(pool.block(b).ref_count == 1 for table in seq.block_tables for i, b in enumerate(table)
                     if i >= needed or not exclusive(b))
         if replaced > pool.num_free + freed:
             return None
         sources = [table[:used] for table in seq.block_tables]
         for table in seq.block_tables:
-            for i, block_id in enumerate(table[:used]):
+            for i, block_id in enumerate(table):
                 if i >= needed or not exclusive(block_id):
                     pool.release(block_id)
                     table[i] = None
