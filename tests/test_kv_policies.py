@@ -269,7 +269,7 @@ def engines(tiny_model_dir_d32):
 
     def get(num_blocks, budget, mode, prefix, dtype):
         key = (num_blocks, budget, mode, prefix, dtype)
-        if key not in cache:
+        if key not in cache or cache[key].requests:  # a failed example leaves requests behind: start afresh
             cache[key] = LLM(str(tiny_model_dir_d32), num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
                              max_num_seqs=4, preemption_mode=mode, enable_prefix_caching=prefix, kv_cache_dtype=dtype).engine
         return cache[key]
@@ -282,6 +282,7 @@ def engines(tiny_model_dir_d32):
        abort_at=st.lists(st.integers(0, 30), max_size=3))
 def test_random_workloads_with_eviction_never_leak(engines, num_blocks, budget, mode, prefix, dtype, requests, abort_at):
     engine = engines(num_blocks, budget, mode, prefix, dtype)
+    assert not engine.requests and engine.kv_manager.pool.num_used == 0  # a failed example would leave it dirty
     pending, ids, step = list(requests), [], 0
     prefixes = [list(range(1, 13)), list(range(20, 32))]
     while pending or engine.has_unfinished_requests():
@@ -291,17 +292,27 @@ def test_random_workloads_with_eviction_never_leak(engines, num_blocks, budget, 
             prompt = (prefixes[which] if which < 2 else []) + [100 + (step * 7 + i) % 100 for i in range(extra)]
             try:
                 ids.append(engine.add_request(prompt, greedy(max_tokens, kv_policy=policy)))
-            except KVServeError:
-                assert len(prompt) + max_tokens > engine.request_limit(parse_policy(policy))
+            except KVServeError:  # only a request that cannot fit is refused
+                rule = parse_policy(policy)
+                peak = rule.max_slots(len(prompt) + max_tokens, budget, 4) if rule else 0
+                assert len(prompt) + max_tokens > engine.request_limit(rule) or engine.kv_manager.blocks_for(peak) > num_blocks
         if step in abort_at and ids:
             engine.abort_request(ids[step % len(ids)])
         engine.step()
         check_invariants(engine)
         for seq in (s for seqs in engine.requests.values() for s in seqs):
             assert seq.swapped_kinds is not None or len(seq.block_tables[0]) * 4 >= seq.num_slots
-            if seq.policy is not None and seq.status.value == "running":
+            if seq.policy is not None and seq.status.value == "running" and not prefix:  # (shared blocks: see compact)
                 bound = seq.policy.max_slots(seq.num_computed_tokens, budget, 4)
                 assert seq.num_slots <= max(bound, seq.num_prompt_tokens)
         step += 1
         assert step < 2000, "no progress: deadlock"
     assert engine.kv_manager.pool.num_used == 0 and not engine.requests
+
+
+def test_a_request_whose_kept_tokens_outgrow_the_pool_is_refused(tiny_model_dir):
+    """streaming lifts the per-request token limit, not the pool's: a window and a step bigger than the pool is one error."""
+    llm = engine(tiny_model_dir, "streaming:sinks=4,window=64", num_blocks=8)
+    with pytest.raises(KVServeError, match="holds up to .* tokens at once .* more than the KV pool's 8 blocks"):
+        llm.generate([PROMPT], greedy(100), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv_manager.pool.num_used == 0

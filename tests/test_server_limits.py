@@ -17,9 +17,14 @@ BODY = {"model": "test-model", "prompt": [1, 2, 3, 4], "max_tokens": 3, "ignore_
 
 
 @pytest.fixture(scope="module")
-def secured(tiny_model_dir):
-    with running_server(str(tiny_model_dir), api_key="s3cret", max_waiting=2, max_num_seqs=1) as (url, _):
-        yield url
+def secured_app(tiny_model_dir):
+    with running_server(str(tiny_model_dir), api_key="s3cret", max_waiting=2, max_num_seqs=1) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def secured(secured_app):
+    return secured_app[0]
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}])
@@ -35,19 +40,34 @@ def test_right_api_key_and_open_routes(secured):
     assert httpx.get(f"{secured}/metrics").status_code == 200
 
 
-def test_full_waiting_queue_gets_503_with_retry_after(secured):
+def test_full_waiting_queue_gets_503_with_retry_after(secured_app):
     """One request runs (max_num_seqs 1), two wait (max_waiting 2): the next is turned away until they are done."""
+    secured, app = secured_app
     auth, long = {"Authorization": "Bearer s3cret"}, {**BODY, "max_tokens": 400}
+    engine = app.state.server.async_engine.engine
+    step = engine.step  # the tiny model could finish a request before the next two arrive: 5 ms a step at least
+    engine.step = lambda: (time.sleep(0.005), step())[1]
+    try:
+        _fill_the_queue(secured, auth, long)
+    finally:
+        del engine.step
+    assert httpx.post(f"{secured}/v1/completions", json=BODY, headers=auth).status_code == 200
+
+
+def _fill_the_queue(secured: str, auth: dict, long: dict) -> None:
+    post = lambda: pool.submit(httpx.post, f"{secured}/v1/completions", json=long, headers=auth, timeout=120)  # noqa: E731
     with ThreadPoolExecutor(3) as pool:
-        busy = [pool.submit(httpx.post, f"{secured}/v1/completions", json=long, headers=auth, timeout=120) for _ in range(3)]
-        deadline = time.time() + 30
+        busy, deadline = [post()], time.time() + 30
+        while _gauge(secured, "num_requests_running") < 1:  # the first runs before the next two come (else all three queue)
+            assert time.time() < deadline, "the first request never ran"
+            time.sleep(0.01)
+        busy += [post(), post()]
         while _gauge(secured, "num_requests_waiting") < 2:
             assert time.time() < deadline, "the queue never filled"
             time.sleep(0.01)
         r = httpx.post(f"{secured}/v1/completions", json=BODY, headers=auth)
         assert r.status_code == 503 and r.headers["retry-after"] == "1" and "2 requests are waiting" in r.json()["error"]["message"]
         assert all(f.result().status_code == 200 for f in busy)
-    assert httpx.post(f"{secured}/v1/completions", json=BODY, headers=auth).status_code == 200
 
 
 def test_more_prompts_than_the_queue_holds_is_a_400(secured):

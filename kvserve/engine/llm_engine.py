@@ -160,6 +160,13 @@ class LLMEngine:
         if len(token_ids) + params.max_tokens > limit:
             raise KVServeError(f"max_tokens {params.max_tokens} is too large: the prompt's {len(token_ids)} tokens plus "
                                f"{params.max_tokens} new ones exceed the limit of {limit} tokens per request")
+        if policy is not None:  # a policy's request may be longer than the pool holds, but not what it keeps at once
+            chunk, bs = self.config.max_num_batched_tokens, self.config.block_size
+            peak = policy.max_slots(len(token_ids) + params.max_tokens, chunk, bs)
+            if self.kv_manager.blocks_for(peak) > self.kv_manager.num_blocks:
+                raise KVServeError(f"kv_policy {policy}: this request holds up to {peak} tokens at once (what it keeps, a "
+                                   f"block and a step's {chunk} tokens), more than the KV pool's {self.kv_manager.num_blocks} "
+                                   f"blocks of {bs} tokens")
         return policy
 
     def abort_request(self, request_id: str) -> None:

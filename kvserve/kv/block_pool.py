@@ -66,6 +66,13 @@ class BlockPool:
             self.free_ids[block_id] = None
             self.num_cached_free += block.hash is not None
 
+    def forget(self, block_id: int) -> None:
+        """Take a held block out of the prefix cache (its holder is about to write it)."""
+        block = self.block(block_id)
+        if block.hash is not None:
+            del self.cached[block.hash]
+            block.hash = block.token_ids = None
+
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
         """The cached block holding exactly these tokens after this prefix, if any."""
         block_id = self.cached.get(block_hash)

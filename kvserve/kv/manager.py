@@ -129,25 +129,38 @@ class KVManager:
     def compact(self, seq: Sequence, kept: int) -> tuple[list[list[int]], list[list[int]]] | None:
         """A policy keeps `kept` of the sequence's slots, to be moved to the front: returns each group's blocks the
         values are read from and the blocks they go to, and gives back the blocks left empty. The runner moves the
-        values before anything else writes to the pool. A block that is shared or in the prefix cache is never
-        written: a new one takes its place (None, changing nothing, if the pool has none for it)."""
+        values before anything else writes to the pool. A block another sequence shares is never written: one
+        of this sequence's own blocks past the kept ones takes its place, else a new one; a block only this sequence
+        holds but the prefix cache lists is replaced while the pool has room, else leaves the cache (None, changing
+        nothing, if a shared block has no stand-in)."""
         bs, pool = self.block_size, self.pool
         used, needed = -(-seq.num_slots // bs), -(-kept // bs)
         exclusive = lambda b: pool.block(b).ref_count == 1 and pool.block(b).hash is None  # noqa: E731
-        replaced = sum(not exclusive(b) for table in seq.block_tables for b in table[:needed])
-        freed = sum(pool.block(b).ref_count == 1 for table in seq.block_tables for i, b in enumerate(table)
-                    if i >= needed or not exclusive(b))
-        if replaced > pool.num_free + freed:
-            return None
+        plans, new, uncached = [], 0, []  # per table: its kept blocks (None: a new one goes there); blocks leaving the cache
+        for table in seq.block_tables:
+            spare, plan = [b for b in table[needed:] if exclusive(b)], []
+            for block_id in table[:needed]:
+                if exclusive(block_id):
+                    plan.append(block_id)
+                elif spare:
+                    plan.append(spare.pop())
+                elif new < pool.num_free:
+                    plan.append(None)
+                    new += 1
+                elif pool.block(block_id).ref_count == 1:
+                    plan.append(block_id)
+                    uncached.append(block_id)
+                else:
+                    return None
+            plans.append(plan)
         sources = [table[:used] for table in seq.block_tables]
-        for table in seq.block_tables:
-            for i, block_id in enumerate(table):
-                if i >= needed or not exclusive(block_id):
+        for block_id in uncached:
+            pool.forget(block_id)
+        for table, plan in zip(seq.block_tables, plans):
+            for block_id in table:
+                if block_id not in plan:
                     pool.release(block_id)
-                    table[i] = None
-            del table[needed:]
-        for table in seq.block_tables:
-            table[:] = [pool.allocate() if b is None else b for b in table]
+            table[:] = [pool.allocate() if b is None else b for b in plan]
         return sources, [list(t) for t in seq.block_tables]
 
     def pack_aged(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
