@@ -40,6 +40,29 @@ def check_invariants(engine) -> None:
     assert not kv.residual or not kv.residual.cached  # float residual blocks are never shared
 
 
+def run_workload(engine, requests, abort_at: list[int], params, refused, after_step=lambda: None) -> None:
+    """Drive an engine through requests arriving at their steps, (prefix index or 2 for none, extra tokens,
+    max_tokens, arrival step, option), with aborts at the `abort_at` steps, until all are done; params(max_tokens,
+    option) makes a request's SamplingParams, refused(prompt, max_tokens, option) checks a refusal was right."""
+    pending, ids, step = list(requests), [], 0
+    while pending or engine.has_unfinished_requests():
+        for item in [r for r in pending if r[3] <= step]:
+            pending.remove(item)
+            which, extra, max_tokens, _, option = item
+            prompt = (PREFIXES[which] if which < 2 else []) + [100 + (step * 7 + i) % 100 for i in range(extra)]
+            try:
+                ids.append(engine.add_request(prompt, params(max_tokens, option)))
+            except KVServeError:
+                refused(prompt, max_tokens, option)
+        if step in abort_at and ids:
+            engine.abort_request(ids[step % len(ids)])
+        engine.step()
+        check_invariants(engine)
+        after_step()
+        step += 1
+        assert step < 2000, "no progress: deadlock"
+
+
 request = st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(1, 12), st.integers(0, 4), st.integers(1, 3))
 
 
@@ -67,23 +90,11 @@ def engines(tiny_model_dir_d32, tiny_sliding_dir):
 def test_random_workloads_never_leak_or_deadlock(engines, num_blocks, budget, mode, prefix, layout, requests, abort_at,
                                                  speculative):
     engine = engines(num_blocks, budget, mode, prefix, layout, speculative)
-    pending = list(requests)  # (prefix index or 2 for none, extra tokens, max_tokens, arrival step, n)
-    ids, finished, step = [], set(), 0
-    while pending or engine.has_unfinished_requests():
-        for item in [r for r in pending if r[3] <= step]:
-            pending.remove(item)
-            which, extra, max_tokens, _, n = item
-            prompt = (PREFIXES[which] if which < 2 else []) + [100 + (step * 7 + i) % 100 for i in range(extra)]
-            try:
-                ids.append(engine.add_request(prompt, greedy(max_tokens, n=n)))
-            except KVServeError:
-                assert len(prompt) + max_tokens > engine.max_request_tokens  # only a request that cannot fit is refused
-        if step in abort_at and ids:
-            engine.abort_request(ids[step % len(ids)])
-        finished |= {o.request_id for o in engine.step() if o.finished}
-        check_invariants(engine)
-        step += 1
-        assert step < 2000, "no progress: deadlock"
+
+    def refused(prompt, max_tokens, n):  # only a request that cannot fit is refused
+        assert len(prompt) + max_tokens > engine.max_request_tokens
+
+    run_workload(engine, requests, abort_at, lambda max_tokens, n: greedy(max_tokens, n=n), refused)
     kv = engine.kv_manager
     assert kv.pool.num_used == 0 and all(b.ref_count == 0 for b in kv.pool.blocks)
     assert speculative is None or getattr(engine.proposer, "kv", kv).pool.num_used == 0  # a draft's shadows let go

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvserve import LLM, KVServeError, SamplingParams
 from kvserve.kv.policies import parse_policy
 from tests.conftest import FP32, greedy, save_tiny_llama
-from tests.test_kv_manager import check_invariants
+from tests.test_kv_manager import run_workload
 
 PROMPT = [(i * 37 + 11) % 250 + 1 for i in range(60)]
 
@@ -283,30 +283,20 @@ def engines(tiny_model_dir_d32):
 def test_random_workloads_with_eviction_never_leak(engines, num_blocks, budget, mode, prefix, dtype, requests, abort_at):
     engine = engines(num_blocks, budget, mode, prefix, dtype)
     assert not engine.requests and engine.kv_manager.pool.num_used == 0  # a failed example would leave it dirty
-    pending, ids, step = list(requests), [], 0
-    prefixes = [list(range(1, 13)), list(range(20, 32))]
-    while pending or engine.has_unfinished_requests():
-        for item in [r for r in pending if r[3] <= step]:
-            pending.remove(item)
-            which, extra, max_tokens, _, policy = item
-            prompt = (prefixes[which] if which < 2 else []) + [100 + (step * 7 + i) % 100 for i in range(extra)]
-            try:
-                ids.append(engine.add_request(prompt, greedy(max_tokens, kv_policy=policy)))
-            except KVServeError:  # only a request that cannot fit is refused
-                rule = parse_policy(policy)
-                peak = rule.max_slots(len(prompt) + max_tokens, budget, 4) if rule else 0
-                assert len(prompt) + max_tokens > engine.request_limit(rule) or engine.kv_manager.blocks_for(peak) > num_blocks
-        if step in abort_at and ids:
-            engine.abort_request(ids[step % len(ids)])
-        engine.step()
-        check_invariants(engine)
+
+    def refused(prompt, max_tokens, policy):  # only a request that cannot fit is refused
+        rule = parse_policy(policy)
+        peak = rule.max_slots(len(prompt) + max_tokens, budget, 4) if rule else 0
+        assert len(prompt) + max_tokens > engine.request_limit(rule) or engine.kv_manager.blocks_for(peak) > num_blocks
+
+    def within_bounds():
         for seq in (s for seqs in engine.requests.values() for s in seqs):
             assert seq.swapped_kinds is not None or len(seq.block_tables[0]) * 4 >= seq.num_slots
             if seq.policy is not None and seq.status.value == "running" and not prefix:  # (shared blocks: see compact)
                 bound = seq.policy.max_slots(seq.num_computed_tokens, budget, 4)
                 assert seq.num_slots <= max(bound, seq.num_prompt_tokens)
-        step += 1
-        assert step < 2000, "no progress: deadlock"
+
+    run_workload(engine, requests, abort_at, lambda max_tokens, policy: greedy(max_tokens, kv_policy=policy), refused, within_bounds)
     assert engine.kv_manager.pool.num_used == 0 and not engine.requests
 
 

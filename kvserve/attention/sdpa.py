@@ -29,9 +29,7 @@ class SDPABackend:
                       value_dims: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """attend, computing the probabilities: also returns the votes [B, kv heads, keys], each key's probability
         summed over the voting queries (from group.score_from on) and the query heads of its KV head."""
-        keys, values = self.cache.gather(j, group.block_tables[g])  # [B, L, KVH, D]
-        if value_dims is not None:
-            values = keys[..., :value_dims]
+        keys, values = self._keys_values(g, j, group, value_dims)  # [B, L, KVH, D]
         b, length, kv_heads = keys.shape[:3]
         queries = q[group.query_index]  # [B, Q, H, D]
         num_q = queries.shape[1]
@@ -53,9 +51,7 @@ class SDPABackend:
     def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float, value_dims: int | None = None) -> torch.Tensor:
         """The group's valid queries' outputs [V, H, D], over the cache of layer j of KV group g (value_dims: the
         values are the keys' first dims, MLA)."""
-        keys, values = self.cache.gather(j, group.block_tables[g])
-        if value_dims is not None:
-            values = keys[..., :value_dims]
+        keys, values = self._keys_values(g, j, group, value_dims)
         repeat = q.shape[1] // keys.shape[2]
         if q.device.type == "cuda" and repeat > 1:  # CUDA's fused kernels take no enable_gqa; the math one is slow
             keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)
@@ -65,3 +61,8 @@ class SDPABackend:
             attn_mask=group.masks[g], is_causal=group.is_causal and group.masks[g] is None, scale=scale, enable_gqa=keys.shape[2] != q.shape[1],
         )
         return o.transpose(1, 2).flatten(0, 1)[group.query_valid]
+
+    def _keys_values(self, g: int, j: int, group: QueryGroup, value_dims: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's cached keys and values [B, L, KVH, D] (value_dims: the values are the keys' first dims, MLA)."""
+        keys, values = self.cache.gather(j, group.block_tables[g])
+        return keys, (values if value_dims is None else keys[..., :value_dims])

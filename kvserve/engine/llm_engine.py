@@ -15,7 +15,7 @@ from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
 from kvserve.kv.manager import KVManager
-from kvserve.kv.policies import KVPolicy, SeqKV, add_votes, parse_policy
+from kvserve.kv.policies import UNBOUNDED, KVPolicy, SeqKV, add_votes, parse_policy
 from kvserve.kv.spec import KVLayout, build_layout
 from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import open_checkpoint
@@ -86,7 +86,7 @@ class LLMEngine:
             raise KVServeError(f"kv_policy {policy.name} needs the continuous scheduler with the KV cache and no speculative decoding")
         policy.check(config.block_size)
         if policy.reposition:
-            most = policy.max_slots(1 << 62, config.max_num_batched_tokens, config.block_size)
+            most = policy.max_slots(UNBOUNDED, config.max_num_batched_tokens, config.block_size)
             if most > self.max_model_len:
                 raise KVServeError(f"kv_policy {policy}: its window plus a step's tokens ({most}) must fit max_model_len "
                                    f"({self.max_model_len}); lower the window or max_num_batched_tokens")
@@ -94,7 +94,7 @@ class LLMEngine:
 
     def request_limit(self, policy: KVPolicy | None) -> int:
         """Prompt + output tokens one request may have: no bound where the policy places tokens at cache slots."""
-        return 1 << 62 if policy is not None and policy.reposition else self.max_request_tokens
+        return UNBOUNDED if policy is not None and policy.reposition else self.max_request_tokens
 
     def request_policy(self, params: SamplingParams) -> KVPolicy | None:
         """The request's own kv_policy ("none": none), else the engine's."""
@@ -191,7 +191,7 @@ class LLMEngine:
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
         self.output.record_computed(batch, self._verified(step))
-        if step.votes or any(seq.policy is not None for seq in batch.seqs):
+        if any(seq.policy is not None for seq in batch.seqs):
             self._evict(batch.seqs, step.votes)
         self.runner.copy_blocks(self._fork(step.seqs))
         if self.kv_manager.sliding:  # give back what slid out of a window now, not at the next step

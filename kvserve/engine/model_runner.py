@@ -23,6 +23,9 @@ from kvserve.models.registry import model_class
 from kvserve.spec_decode import verify
 
 
+NO_VOTES = 1 << 30  # a sequence's first voting query when none of its queries votes
+
+
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
@@ -176,7 +179,7 @@ def _collect_votes(inputs: StepInputs, seqs: list[Sequence], num_layers: int) ->
             continue
         stacked = torch.stack([per_layer[layer][i] for layer in range(num_layers)], 1).cpu()  # [B, layers, KVH, L]
         for b, row in enumerate(rows):
-            if seqs[row].policy is not None and int(group.score_from[b]) < (1 << 30):
+            if int(group.score_from[b]) != NO_VOTES:
                 votes[seqs[row]] = stacked[b]
     return votes
 
@@ -206,11 +209,11 @@ def _prompt_row(row: int, seq, num_tokens: int, offset: int) -> tuple[int, torch
 
 def _voters(batch: ScheduledBatch) -> torch.Tensor | None:
     """Each sequence's first query whose attention votes for its cached tokens (a KV policy's); None: no votes."""
-    big, first = 1 << 30, []
+    first = []
     for seq, n in zip(batch.seqs, batch.num_tokens):
         at = seq.policy.voters(seq.num_prompt_tokens, seq.num_computed_tokens, n) if seq.policy is not None else None
-        first.append(big if at is None else at)
-    return torch.tensor(first) if min(first) < big else None
+        first.append(NO_VOTES if at is None else at)
+    return torch.tensor(first) if min(first) < NO_VOTES else None
 
 
 def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor], bs: int, windows: list[int | None],

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from kvserve.kv.policies import KVPolicy
+from kvserve.kv.policies import UNBOUNDED, KVPolicy
 from kvserve.outputs import RequestMetrics, TokenLogprob
 from kvserve.sampling_params import SamplingParams
 
@@ -28,7 +28,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  num_kv_groups: int = 1, index: int = 0, metrics: RequestMetrics | None = None, policy: KVPolicy | None = None,
-                 token_limit: int = 1 << 62):
+                 token_limit: int = UNBOUNDED):
         self.request_id, self.prompt, self.params, self.index = request_id, prompt, params, index
         self.children: list[Sequence] = []
         self.num_shared_tokens = 0  # a forked completion: prompt tokens in blocks it shares with completion 0

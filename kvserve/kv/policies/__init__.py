@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from kvserve.errors import KVServeError
 
+UNBOUNDED = 1 << 62  # a request's token limit where a policy places tokens at cache slots (streaming)
+
 
 @dataclass(frozen=True, slots=True)
 class SeqKV:
@@ -35,8 +37,8 @@ class SeqKV:
 @dataclass(frozen=True)
 class KVPolicy:
     name = ""
-    reposition = False
-    decode_votes = True  # False: votes only from the prompt, dropped once it is computed  # RoPE positions are cache slots (StreamingLLM): moved keys are rotated to their new slot
+    reposition = False  # RoPE positions are cache slots (StreamingLLM): moved keys are rotated to their new slot
+    decode_votes = True  # False: votes only from the prompt, dropped once it is computed
 
     def validate(self) -> None:
         """Raise a clear error for parameters that make no sense."""
