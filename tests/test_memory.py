@@ -201,3 +201,15 @@ def test_plans_kv_policy_budgets():
     assert h2o["max_requests"][32768] == budget // (6554 * 128 * KiB) > report["capacity"]["max_requests"]["bf16"][32768]
     with pytest.raises(KVServeError, match="unknown kv_policy"):
         plan(spec, DEVICES["h100-80gb"], PlanRequest(policies=["lru:budget=3"]))
+
+
+def test_plans_minicache_bytes():
+    """Llama 3 8B from layer 16: 8 merged pairs, each block of a pair's K or V holding 16 directions (8 heads x 128
+    bf16), two layers' fp16 magnitudes, 2 retained tokens a head and their int16 offsets."""
+    report = plan(load_spec("llama-3-8b"), DEVICES["h100-80gb"], PlanRequest(dtypes=["bf16"], contexts=[4096],
+                                                                          policies=["minicache:start=16"]))
+    merged = report["policies"]["minicache:start=16,t=0.6,threshold=0.25,retain=2"]
+    pair_block = 16 * 8 * 128 * 2 + 16 * 2 * 8 * 2 + 2 * 8 * 128 * 2 + 2 * 8 * 2
+    per_token = 16 * 128 * KiB // 32 + 8 * 2 * pair_block // 16
+    assert merged["held_tokens"] == {4096: 4096} and merged["bytes_per_request"][4096] == 4096 * per_token
+    assert 0.78 < per_token / (128 * KiB) < 0.79

@@ -46,8 +46,13 @@ class LLMEngine:
             raise KVServeError(f"max_model_len {self.max_model_len} exceeds the model's context window "
                                f"of {model_config.max_position_embeddings} tokens")
         k_dtype, v_dtype = config.kv_dtypes
+        policy = parse_policy(config.kv_policy)
         self.layout = build_layout(spec_from_hf_config(self.checkpoint.hf_config, config.model), k_dtype, v_dtype,
-                                   config.block_size, config.kivi_residual, config.residual_dtype)
+                                   config.block_size, config.kivi_residual, config.residual_dtype,
+                                   merge=policy if policy is not None and policy.merges_layers else None)
+        if self.layout.merge and config.speculative:
+            raise KVServeError("kv_policy minicache cannot run with speculative decoding: verified guesses would differ from "
+                               "tokens decoded one at a time, whose earlier layers already see merged K/V")
         num_blocks, num_residual = pool_sizes(self.layout, config)
         self.runner = ModelRunner(self.checkpoint, config, self.max_model_len, self.layout, num_blocks, num_residual)
         self.kv_manager = KVManager(self.layout, num_blocks, num_residual, config.enable_prefix_caching,
@@ -73,10 +78,16 @@ class LLMEngine:
 
     def resolve_policy(self, text: str | None) -> KVPolicy | None:
         """A KV policy string, parsed and checked against this engine (None: keep every token)."""
-        policy = parse_policy(text)
+        policy, config, layout = parse_policy(text), self.config, self.layout
+        if policy is not None and policy.merges_layers:  # the engine's layout, already built
+            if layout.merge is None or policy.at(layout.num_layers) != layout.merge:
+                raise KVServeError(f"kv_policy {policy.name} changes the KV layout: choose it per engine (--kv-policy, kv_policy=), "
+                                   "not per request")
+            return None
         if policy is None:
             return None
-        config, layout = self.config, self.layout
+        if layout.merge is not None:
+            raise KVServeError(f"this engine's KV layout merges layers ({layout.merge}); a request cannot add kv_policy {policy.name}")
         if any(g.spec.kind != "full" for g in layout.groups):
             raise KVServeError(f"kv_policy {policy.name} needs full-attention layers; {config.model} has "
                                f"{', '.join(sorted({g.spec.kind for g in layout.groups} - {'full'}))} ones")
@@ -132,7 +143,7 @@ class LLMEngine:
             raise KVServeError(f"request id {request_id!r} is already in use")
         text, groups = prompt if isinstance(prompt, str) else prompt_text, len(self.layout.groups)
         first = Sequence(request_id, text, token_ids, params, groups, policy=policy, token_limit=self.request_limit(policy))
-        first.metrics.kv_policy = None if policy is None else str(policy)
+        first.metrics.kv_policy = str(policy) if policy is not None else (str(self.layout.merge) if self.layout.merge else None)
         # The other completions wait for the first's prefill, then fork from its blocks.
         first.children = [Sequence(request_id, text, token_ids, params, groups, i, first.metrics, token_limit=first.token_limit)
                           for i in range(1, params.n)]

@@ -44,7 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-policy", default=None, metavar="POLICY",
                         help="which cached tokens requests keep, NAME:key=value,...: streaming:sinks=4,window=1024 (runs past the "
                              "context window), h2o:budget=0.2 (heavy hitters + recent), snapkv:budget=512 (the prompt's "
-                             "last queries vote); budgets are tokens or a fraction")
+                             "last queries vote); budgets are tokens or a fraction; minicache:start=15 merges adjacent "
+                             "layers' K/V from that layer on (per engine)")
     parser.add_argument("--speculative", default=None, metavar="PROPOSER",
                         help="speculative decoding, NAME[:key=value,...]: ngram[:k=5,n=3] (prompt lookup), "
                              "draft:model=PATH[,k=4] (a small model), self:layers=N[,k=3] (the model's first N layers)")
@@ -93,7 +94,9 @@ def stats_line(out: RequestOutput) -> str:
 
 
 def _eviction(m) -> str:
-    return f" ({m.kv_policy}: {m.num_evicted_tokens} tokens evicted)" if m.kv_policy else ""
+    if not m.kv_policy:
+        return ""
+    return f" ({m.kv_policy})" if m.kv_policy.startswith("minicache") else f" ({m.kv_policy}: {m.num_evicted_tokens} tokens evicted)"
 
 
 def _speculation(m) -> str:

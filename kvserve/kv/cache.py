@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.kv.formats import KVFormat
+from kvserve.kv.policies.minicache import MergedStore
 from kvserve.kv.spec import KVLayout
 
 Store = dict[str, torch.Tensor]  # a format's parts for one layer's K or V
@@ -21,13 +22,21 @@ class KVCache:
         self.block_size = layout.block_size
         self.slot = {layer: (g, j) for g, group in enumerate(layout.groups) for j, layer in enumerate(group.layers)}
         spec, n = layout.groups[0].spec, layout.layers_per_group
-        self.k = [_allocate(layout.k_format, num_blocks, layout, spec.k_dim, device) for _ in range(n)]
-        self.v = [_allocate(layout.v_format, num_blocks, layout, spec.v_dim, device) if spec.v_dim else {} for _ in range(n)]
+        # MiniCache: a merged layer pair's K and V stores, and which of the pair each layer is (one group: j is the layer)
+        self.merged: dict[int, tuple[MergedStore, MergedStore, int]] = {}
+        for a, b in layout.merge.pairs(n) if layout.merge else ():
+            stores = tuple(MergedStore(layout.merge, fmt, num_blocks, layout.block_size, spec.num_heads, spec.k_dim, device)
+                           for fmt in (layout.k_format, layout.v_format))
+            self.merged[a], self.merged[b] = (*stores, 0), (*stores, 1)
+        self.k = [{} if j in self.merged else _allocate(layout.k_format, num_blocks, layout, spec.k_dim, device) for j in range(n)]
+        self.v = [_allocate(layout.v_format, num_blocks, layout, spec.v_dim, device) if spec.v_dim and j not in self.merged else {}
+                  for j in range(n)]
         self.residual_k = self.residual_v = None
         if layout.has_residual:
             self.residual_k = [_allocate(layout.residual_format, num_residual, layout, spec.k_dim, device) for _ in range(n)]
             self.residual_v = [_allocate(layout.residual_format, num_residual, layout, spec.v_dim, device) for _ in range(n)]
         self._main = [t for stores in (self.k, self.v) for store in stores for t in store.values()]
+        self._main += [t for j, (k, v, which) in self.merged.items() if which == 0 for store in (k, v) for t in store.tensors]
         # what writes go to, per layer of a group: (format, {part: [slots, ...] view}) for K and for V
         write_k, write_v = (self.residual_k, self.residual_v) if layout.has_residual else (self.k, self.v)
         formats = (layout.residual_format,) * 2 if layout.has_residual else (layout.k_format, layout.v_format)
@@ -45,6 +54,11 @@ class KVCache:
 
     def write(self, j: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor) -> None:
         """K/V [T, heads, dim] of new tokens at their slots, in the j-th layer of a group (v None: a latent layer)."""
+        if j in self.merged:
+            k_store, v_store, which = self.merged[j]
+            k_store.write(which, k, slots)
+            v_store.write(which, v, slots)
+            return
         if self.residual_k is not None:  # new tokens always land in residual blocks
             slots = slots - self.num_blocks * self.block_size
         for (fmt, views), x in zip(self._writes[j], (k, v) if v is not None else (k,)):
@@ -54,6 +68,10 @@ class KVCache:
     def gather(self, j: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks in `block_tables` ([batch, blocks]), dequantized, as [batch, blocks * block_size, heads, dim]."""
         flat = block_tables.reshape(-1)
+        if j in self.merged:
+            k_store, v_store, which = self.merged[j]
+            return tuple(store.gather(which, flat, self.dtype).flatten(0, 1).unflatten(0, (block_tables.shape[0], -1))
+                         for store in (k_store, v_store))
         keys = self._gather(self.k[j], self.layout.k_format, self.residual_k, j, flat)
         if not self.v[j]:  # a latent layer: its values are part of its keys
             keys = keys.unflatten(0, (block_tables.shape[0], -1))

@@ -16,6 +16,7 @@ from kvserve.errors import KVServeError
 from kvserve.kv.formats import KVFormat, get_format
 
 if TYPE_CHECKING:
+    from kvserve.kv.policies.minicache import MiniCache
     from kvserve.memory.spec import ModelSpec
 
 KINDS = ("full", "sliding", "latent")
@@ -48,6 +49,7 @@ class KVLayout:
     # (`residual_format`) until they are `residual_tokens` old.
     residual_tokens: int = 0
     residual_format: KVFormat | None = None
+    merge: MiniCache | None = None  # layer pairs from merge.start on share one K and one V store (one group only)
 
     @property
     def layers_per_group(self) -> int:
@@ -68,7 +70,11 @@ class KVLayout:
         spec, bs = self.groups[0].spec, self.block_size
         k, v = (self.residual_format, self.residual_format) if residual else (self.k_format, self.v_format)
         per_layer = k.block_bytes(bs, spec.num_heads, spec.k_dim) + (v.block_bytes(bs, spec.num_heads, spec.v_dim) if spec.v_dim else 0)
-        return self.layers_per_group * per_layer
+        if self.merge is None:
+            return self.layers_per_group * per_layer
+        pairs = len(self.merge.pairs(self.layers_per_group))
+        per_pair = sum(self.merge.pair_bytes(f, bs, spec.num_heads, spec.k_dim) for f in (k, v))
+        return (self.layers_per_group - 2 * pairs) * per_layer + pairs * per_pair
 
     @property
     def bytes_per_token(self) -> float:
@@ -106,13 +112,15 @@ class KVLayout:
                 f"{self.layers_per_group} layers x {spec.num_heads} heads x {spec.k_dim}, {self.block_size}-token blocks")
         if self.has_residual:
             text += f", newest {self.residual_tokens} tokens in {self.residual_format.name}"
+        if self.merge:
+            text += f", {self.merge}: {len(self.merge.pairs(self.layers_per_group))} merged layer pairs"
         return text
 
     def to_dict(self) -> dict:
         return {"k_dtype": self.k_format.name, "v_dtype": self.v_format.name, "block_size": self.block_size,
                 "groups": len(self.groups), "layers_per_group": self.layers_per_group,
                 "bytes_per_token": self.bytes_per_token, "residual_tokens": self.residual_tokens if self.has_residual else 0,
-                "residual_bytes_per_token": self.residual_bytes_per_token}
+                "residual_bytes_per_token": self.residual_bytes_per_token, "merge": str(self.merge) if self.merge else None}
 
 
 def layer_specs(model: ModelSpec) -> list[LayerKV]:
@@ -136,8 +144,9 @@ def group_layers(layers: list[LayerKV]) -> tuple[KVGroup, ...]:
 
 
 def build_layout(model: ModelSpec, k_dtype: str, v_dtype: str, block_size: int = 16, residual_tokens: int = 128,
-                 residual_dtype: str = "float32") -> KVLayout:
-    """The layout for a model with K and V stored as the named KV dtypes (see kvserve.kv.formats)."""
+                 residual_dtype: str = "float32", merge: MiniCache | None = None) -> KVLayout:
+    """The layout for a model with K and V stored as the named KV dtypes (see kvserve.kv.formats); `merge`: MiniCache's
+    layer pairs."""
     k_format, v_format = get_format(k_dtype, "k"), get_format(v_dtype, "v")
     groups = group_layers(layer_specs(model))
     spec = groups[0].spec
@@ -146,7 +155,15 @@ def build_layout(model: ModelSpec, k_dtype: str, v_dtype: str, block_size: int =
     k_format.check(spec.k_dim)
     if spec.v_dim:
         v_format.check(spec.v_dim)
-    layout = KVLayout(groups, k_format, v_format, block_size)
+    if merge is not None:
+        if len(groups) > 1 or spec.kind != "full":
+            raise KVServeError(f"kv_policy minicache merges full-attention layers; {model.name} has "
+                               f"{', '.join(sorted({g.spec.kind for g in groups} - {'full'}))} ones")
+        if not (k_format.per_token and v_format.per_token):
+            raise KVServeError("kv_policy minicache needs a per-token KV dtype (float, int8, int4, fp8), not kivi2")
+        merge.check(block_size)
+        merge = merge.at(model.num_layers)
+    layout = KVLayout(groups, k_format, v_format, block_size, merge=merge)
     if not layout.has_residual:
         return layout
     if spec.kind == "latent":

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from kvserve.errors import KVServeError
 from kvserve.kv.formats import FORMATS
+from kvserve.kv.policies.minicache import MiniCache
 from kvserve.kv.spec import KVLayout, build_layout
 from kvserve.memory.spec import ModelSpec
 
@@ -34,14 +35,15 @@ DEVICES = {
 }
 
 
-def kv_layout(spec: ModelSpec, dtype: str = "bf16", block_size: int = PLANNER_BLOCK_SIZE) -> KVLayout:
-    """The engine's layout for `spec` with KV dtype `dtype`: one name for K and V, or "K/V" (e.g. "int8/int4")."""
+def kv_layout(spec: ModelSpec, dtype: str = "bf16", block_size: int = PLANNER_BLOCK_SIZE, merge: MiniCache | None = None) -> KVLayout:
+    """The engine's layout for `spec` with KV dtype `dtype`: one name for K and V, or "K/V" (e.g. "int8/int4");
+    `merge`: MiniCache's merged layer pairs."""
     k, _, v = dtype.partition("/")
     k, v = ALIASES.get(k, k), ALIASES.get(v or k, v or k)
     for name in (k, v):
         if name not in FORMATS:
             raise KVServeError(f"unknown KV dtype {name!r}; choose from {', '.join([*ALIASES, *FORMATS])} or K/V pairs")
-    return build_layout(spec, k, v, block_size, residual_dtype=PLANNER_RESIDUAL_DTYPE)
+    return build_layout(spec, k, v, block_size, residual_dtype=PLANNER_RESIDUAL_DTYPE, merge=merge)
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: str = "bf16") -> float:

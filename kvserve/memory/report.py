@@ -48,10 +48,11 @@ def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
     first = cap[req.dtypes[0]]
     policies = {}
     for text in req.policies:
-        policy, layout = parse_policy(text), kv_layout(spec, req.dtypes[0])
+        policy = parse_policy(text)
+        layout = kv_layout(spec, req.dtypes[0], merge=policy if policy.merges_layers else None)
         held = {c: policy.held(c) for c in req.contexts}
         per_request = {c: layout.bytes_held(n) for c, n in held.items()}
-        policies[str(policy)] = {"held_tokens": held, "bytes_per_request": per_request,
+        policies[str(layout.merge or policy)] = {"held_tokens": held, "bytes_per_request": per_request,
                                  "max_requests": {c: max(0, int(first.kv_budget // b)) for c, b in per_request.items()}}
     batch, context = req.batches[-1], req.contexts[0]
     prefill, decode = roofline(spec, batch, context, req.dtypes[0], req.weight_bits)

@@ -9,7 +9,7 @@ attention probabilities each cached token received, summed over those queries an
 heads. The attention backend computes them in the pass that computes the outputs.
 
 A policy string is `NAME:key=value,...`, e.g. `streaming:sinks=4,window=1024`, `h2o:budget=0.2`,
-`snapkv:budget=512`. Budgets are tokens, or a fraction (< 1) of the sequence (snapkv: of the prompt).
+`snapkv:budget=512`, `minicache:start=15` (which merges layers instead: a layout, see minicache.py). Budgets are tokens, or a fraction (< 1) of the sequence (snapkv: of the prompt).
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ class KVPolicy:
     name = ""
     reposition = False  # RoPE positions are cache slots (StreamingLLM): moved keys are rotated to their new slot
     decode_votes = True  # False: votes only from the prompt, dropped once it is computed
+    merges_layers = False  # True: the policy is a KV layout the engine builds (MiniCache), not an eviction
 
     def validate(self) -> None:
         """Raise a clear error for parameters that make no sense."""
@@ -111,7 +112,8 @@ def parse_policy(text: str | None) -> KVPolicy | None:
 
 
 from kvserve.kv.policies.h2o import H2O  # noqa: E402
+from kvserve.kv.policies.minicache import MiniCache  # noqa: E402
 from kvserve.kv.policies.snapkv import SnapKV  # noqa: E402
 from kvserve.kv.policies.streaming import Streaming  # noqa: E402
 
-POLICIES: dict[str, type[KVPolicy]] = {"streaming": Streaming, "h2o": H2O, "snapkv": SnapKV}
+POLICIES: dict[str, type[KVPolicy]] = {"streaming": Streaming, "h2o": H2O, "snapkv": SnapKV, "minicache": MiniCache}
