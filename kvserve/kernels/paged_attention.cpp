@@ -52,6 +52,15 @@ inline __m256 hsum8(const __m256 v[8]) {
 // scores[t] = scale * q . K[t] for the L keys at offsets rows[t].
 void query_scores(const float* q, const float* k, const int64_t* rows, int64_t L, int64_t D, float scale, float* scores) {
     int64_t t = 0;
+    for (; D % 8 == 0 && t + 8 <= L; t += 8) {  // eight independent FMA chains, one per key: throughput-, not latency-bound
+        __m256 partial[8];
+        for (int j = 0; j < 8; ++j) partial[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 8) {
+            const __m256 qi = _mm256_loadu_ps(q + i);
+            for (int j = 0; j < 8; ++j) partial[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + rows[t + j] + i), partial[j]);
+        }
+        _mm256_storeu_ps(scores + t, _mm256_mul_ps(hsum8(partial), _mm256_set1_ps(scale)));
+    }
     for (; t + 8 <= L; t += 8) {
         __m256 partial[8];
         for (int j = 0; j < 8; ++j) partial[j] = dot_lanes(q, k + rows[t + j], D);
@@ -63,6 +72,17 @@ void query_scores(const float* q, const float* k, const int64_t* rows, int64_t L
 // out += sum_t p[t] * V[t], accumulated in registers 64 columns at a time.
 void weighted_values(const float* p, const float* v, const int64_t* rows, int64_t L, int64_t D, float* out) {
     for (int64_t c0 = 0; c0 < D; c0 += 64) {
+        if (D - c0 >= 64) {  // a constant count keeps the eight accumulators in registers
+            __m256 acc[8];
+            for (int r = 0; r < 8; ++r) acc[r] = _mm256_loadu_ps(out + c0 + 8 * r);
+            for (int64_t t = 0; t < L; ++t) {
+                const float* vt = v + rows[t] + c0;
+                const __m256 pt = _mm256_set1_ps(p[t]);
+                for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+            }
+            for (int r = 0; r < 8; ++r) _mm256_storeu_ps(out + c0 + 8 * r, acc[r]);
+            continue;
+        }
         const int64_t vecs = std::min<int64_t>(64, D - c0) / 8, tail_end = std::min<int64_t>(64, D - c0);
         __m256 acc[8];
         float tail[8] = {};
