@@ -100,3 +100,40 @@ def test_paged_decode_attention_rejects_lengths_past_the_table():
 def test_rms_norm_equals_torch():
     x, w = torch.randn(5, 3, 96), torch.randn(96)
     torch.testing.assert_close(native_ops().rms_norm(x, w, 1e-6), F.rms_norm(x, (96,), w, 1e-6))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 70])
+def test_rope_in_place_equals_apply_rotary_on_strided_views(tokens):
+    """q and k as the fused qkv projection's strided views, rotated in place; v untouched."""
+    from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
+
+    heads, kv_heads, dim = 6, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    before = qkv.clone()
+    cos, sin = RotaryEmbedding(dim, 512, 10000.0, None).tables(torch.randint(0, 512, (tokens,)), torch.float32)
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    native_ops().rope_(q, cos, sin)
+    native_ops().rope_(k, cos, sin)
+    torch.testing.assert_close(q, want_q)
+    torch.testing.assert_close(k, want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], before[:, (heads + kv_heads) * dim:])
+
+
+@pytest.mark.parametrize("width", [8, 1536, 13])  # one vector; SmolLM2's; a scalar tail only
+def test_silu_and_mul_equals_torch(width):
+    x = torch.randn(4, 2 * width) * 8  # large magnitudes: exp's clamped range
+    x[0, 0], x[1, 1] = 100.0, -100.0
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(native_ops().silu_and_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_native_decode_step_equals_plain_torch(tiny_model_dir):
+    """Norms, RoPE, SiLU-and-mul and decode attention by kvserve.kernels: the logprobs of plain torch."""
+    params = greedy(16, logprobs=2)
+    prompt = [(i * 37 + 11) % 250 + 1 for i in range(40)]
+    native, plain = (LLM(str(tiny_model_dir), native_kernels=flag, **FP32).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+                     for flag in (True, False))
+    assert native.token_ids == plain.token_ids
+    for a, b in zip(native.logprobs, plain.logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)

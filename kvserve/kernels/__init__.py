@@ -1,10 +1,11 @@
 """Native CPU kernels (AVX2), compiled on first use by torch's cpp_extension, which caches the build.
 
-They register as torch ops under torch.ops.kvserve: gguf_matmul, paged_decode_attention, rms_norm.
+They register as torch ops under torch.ops.kvserve: gguf_matmul, paged_decode_attention, rms_norm, rope_, silu_and_mul.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import platform
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = ["gguf_matmul.cpp", "paged_attention.cpp", "rms_norm.cpp"]
+SOURCES = ["gguf_matmul.cpp", "paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp"]
 
 
 @functools.cache
@@ -24,7 +25,9 @@ def native_ops():
         from torch.utils.cpp_extension import load
 
         here = Path(__file__).parent
-        load(name="kvserve_kernels", sources=[str(here / s) for s in SOURCES], is_python_module=False,
+        # torch's build cache hashes the sources only; the name carries every file's digest, headers included
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(here.glob("*.[ch]*")))).hexdigest()[:12]
+        load(name=f"kvserve_kernels_{digest}", sources=[str(here / s) for s in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
         return torch.ops.kvserve
     except Exception as e:  # no compiler or headers: slower, never wrong

@@ -13,6 +13,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -97,20 +99,6 @@ void weighted_values(const float* p, const float* v, const int64_t* rows, int64_
         for (int r = 0; r < vecs; ++r) _mm256_storeu_ps(out + c0 + 8 * r, acc[r]);
         for (int64_t c = vecs * 8; c < tail_end; ++c) out[c0 + c] = tail[c - vecs * 8];
     }
-}
-
-// exp for x <= 0 (scores minus their max), Cephes-style: 2^n * p(r), relative error ~1e-7.
-inline __m256 exp_ps(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
 
 // s[i] = exp(s[i] - max) over n scores, in place; returns (max, sum of the exponentials).

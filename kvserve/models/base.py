@@ -64,11 +64,15 @@ class CausalLM(nn.Module):
                 module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
 
     def use_native_kernels(self, gguf_blocks: dict[str, torch.Tensor]) -> int:
-        """Norms use kvserve.kernels, and each linear layer gets its GGUF blocks (by HF name) where the file
+        """Norms, RoPE and SiLU-and-mul use kvserve.kernels, and each linear layer gets its GGUF blocks (by HF name) where the file
         has them; returns how many linear layers got blocks."""
+        from kvserve.models.llama import MLP, Attention
+
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, Attention)):
                 module.native = True
+            if isinstance(module, MLP):
+                module.native = module.silu
         fused = fuse_hf_weights(gguf_blocks, self.config)
         layers = [(name, m) for name, m in self.named_modules() if isinstance(m, Linear) and f"{name}.weight" in fused]
         for name, module in layers:

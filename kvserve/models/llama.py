@@ -8,6 +8,7 @@ from torch import nn
 
 from kvserve.attention import ForwardContext
 from kvserve.config import ModelConfig
+from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import apply_rotary
@@ -18,6 +19,8 @@ Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # cos and sin of the step's
 
 
 class Attention(nn.Module):
+    native = False  # fp32 on CPU: RoPE by kvserve.kernels
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.heads, self.kv_heads, self.head_dim = layer, config.num_heads, config.num_kv_heads, config.head_dim
@@ -37,18 +40,28 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope[self.rope]
-        out = ctx.attention(self.layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.view(tokens, self.kv_heads, d), self.scale)
+        if self.native:  # in place on the fused projection's output: one call each instead of six ops
+            native_ops().rope_(q, cos, sin)
+            native_ops().rope_(k, cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.attention(self.layer, q, k, v.view(tokens, self.kv_heads, d), self.scale)
         return self.o_proj(out.view(tokens, -1))
 
 
 class MLP(nn.Module):
+    native = False  # fp32 on CPU with SiLU: kvserve.kernels' silu_and_mul
+
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.silu = config.hidden_act == "silu"
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return self.down_proj(native_ops().silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
