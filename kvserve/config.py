@@ -141,7 +141,8 @@ class EngineConfig:
     use_kv_cache: bool = True
     native_kernels: bool = True  # CPU fp32: kvserve.kernels for decode attention and a GGUF file's own 4/8-bit blocks
     # float32 models: "bfloat16" keeps the linear layers' weights in bf16 (fp32 activations cast at each matmul,
-    # ~4x the FLOP/s on CPUs with AVX512-BF16 or AMX); "auto" does so on such CPUs; "float32" is fp32 throughout.
+    # ~4x the FLOP/s on CPUs with AVX512-BF16 or AMX); "auto" does so on such CPUs; both multiply a GGUF file's
+    # own blocks by int8-quantized activations (per 32 values, as llama.cpp does); "float32" is fp32 throughout.
     matmul_dtype: str = "auto"
     # How K and V are stored (kvserve.kv.formats): "auto" is the model's dtype; cache_type_k / cache_type_v set
     # one of them apart. kivi2 keeps each request's newest kivi_residual tokens in 16-bit floats (residual_dtype).

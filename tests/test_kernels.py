@@ -16,26 +16,37 @@ pytestmark = pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no 
 TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
 
 
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8-activation kernels see it: each block of 32 values rounded to a multiple of max|x| / 127."""
+    g = x.unflatten(-1, (-1, 32))
+    scale = g.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return ((g * inv).round() * scale).flatten(-2)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 32])
-def test_matmul_equals_dequantized_fp32(qtype, rows):
+def test_matmul_equals_dequantized_fp32(qtype, rows, int8):
     rng = np.random.default_rng(rows)
     blocks = gguf.quants.quantize(rng.standard_normal((80, 192)).astype(np.float32), qtype)
     weight = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
-    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
-    out = native_ops().gguf_matmul(x, torch.from_numpy(blocks))
-    torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-4)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :32] = 0  # a block of zeros: scale 0
+    out = native_ops().gguf_matmul(x, torch.from_numpy(blocks), int8)
+    torch.testing.assert_close(out, (int8_rows(x) if int8 else x) @ weight.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype):
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype, int8):
     """Speculative verification multiplies a sequence's guesses with its last token: each row must come out
     bit for bit as it would alone, so that verified tokens equal one-token decoding."""
     blocks = torch.from_numpy(gguf.quants.quantize(np.random.default_rng(0).standard_normal((40, 96)).astype(np.float32), qtype))
     x = torch.randn(13, 96, generator=torch.Generator().manual_seed(1))
-    alone = torch.cat([native_ops().gguf_matmul(x[i:i + 1], blocks) for i in range(13)])
+    alone = torch.cat([native_ops().gguf_matmul(x[i:i + 1], blocks, int8) for i in range(13)])
     for rows in range(2, 14):
-        assert torch.equal(native_ops().gguf_matmul(x[:rows], blocks), alone[:rows]), rows
+        assert torch.equal(native_ops().gguf_matmul(x[:rows], blocks, int8), alone[:rows]), rows
 
 
 def test_linear_uses_blocks_only_for_few_rows():

@@ -56,7 +56,7 @@ class ModelRunner:
         if model is None:
             self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device)
             if self.native:
-                self.model.use_native_kernels(load_gguf_blocks(checkpoint))
+                self.model.use_native_kernels(load_gguf_blocks(checkpoint), int8_activations=config.matmul_dtype != "float32")
             if config.bf16_matmuls:
                 self.model.use_bf16_matmuls()
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)

@@ -24,6 +24,7 @@ MAX_TRANSPOSED_ROWS = 256
 
 class Linear(nn.Linear):
     blocks: torch.Tensor | None = None  # [out_features, bytes per row] Q4_0/Q4_1/Q8_0 blocks of `weight`
+    int8_activations = False  # the blocks multiply activations quantized to int8 per 32 values (llama.cpp's way)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)
@@ -32,7 +33,7 @@ class Linear(nn.Linear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         bf16 = self.weight.dtype == torch.bfloat16
         if self.blocks is not None and x.shape[0] <= (MAX_BLOCK_ROWS_BF16 if bf16 else MAX_BLOCK_ROWS):
-            return native_ops().gguf_matmul(x, self.blocks)
+            return native_ops().gguf_matmul(x, self.blocks, self.int8_activations)
         if bf16:  # matmul_dtype: activations stay fp32 outside the matmul
             return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         if x.dim() != 2 or x.shape[0] > MAX_TRANSPOSED_ROWS:

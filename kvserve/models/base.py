@@ -63,9 +63,9 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
 
-    def use_native_kernels(self, gguf_blocks: dict[str, torch.Tensor]) -> int:
-        """Norms, RoPE and SiLU-and-mul use kvserve.kernels, and each linear layer gets its GGUF blocks (by HF name) where the file
-        has them; returns how many linear layers got blocks."""
+    def use_native_kernels(self, gguf_blocks: dict[str, torch.Tensor], int8_activations: bool = False) -> int:
+        """Norms, RoPE and SiLU-and-mul use kvserve.kernels, and each linear layer gets its GGUF blocks (by HF name) where
+        the file has them (int8_activations: multiplied by int8-quantized activations); returns how many got blocks."""
         from kvserve.models.llama import MLP, Attention
 
         for module in self.modules():
@@ -75,15 +75,18 @@ class CausalLM(nn.Module):
                 module.native = module.silu
         fused = fuse_hf_weights(gguf_blocks, self.config)
         layers = [(name, m) for name, m in self.named_modules() if isinstance(m, Linear) and f"{name}.weight" in fused]
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.int8_activations = int8_activations
         for name, module in layers:
             module.blocks = fused[f"{name}.weight"]
             assert module.blocks.shape[0] == module.out_features
         return len(layers)
 
     def use_q8_blocks(self) -> None:
-        """Q8_0 blocks for every linear layer that has none, and native norms (a draft model: it reads 8.5 bits
-        per weight instead of 32 or 16)."""
-        self.use_native_kernels({})
+        """Q8_0 blocks for every linear layer that has none, against int8 activations, and native norms (a draft
+        model: it reads 8.5 bits per weight instead of 32 or 16)."""
+        self.use_native_kernels({}, int8_activations=True)
         for module in self.modules():
             if isinstance(module, Linear) and module.blocks is None and module.in_features % 32 == 0:
                 module.blocks = _q8_blocks(module.weight)
