@@ -71,12 +71,23 @@ def test_request_larger_than_pool_fails_and_others_continue(tiny_model_dir):
 @pytest.mark.parametrize("options", [dict(max_num_batched_tokens=7), dict(num_blocks=12, block_size=8, preemption_mode="recompute")],
                          ids=["chunked", "recompute"])
 def test_int8_kv_scheduled_equals_alone(options):
-    """int8 blocks hold the same values however a request was batched, chunked or recomputed. (Coarser formats
-    hold them too, but turn the last-bit differences of batched matmuls into a step of their grid, which can flip a
-    near-tie; swapped blocks are compared byte for byte in tests/test_kv_formats.py.)"""
+    """int8 blocks hold the same values however a request was batched, chunked or recomputed, up to the last bits
+    of batched matmuls (a recomputed token's K/V come from the prefill GEMM, not the decode kernel), which a step of
+    the int8 grid can turn into a near-tie's flip: outputs agree, or part only where the alone run's top two were
+    within 0.05 nats. (Swapped blocks are compared byte for byte in tests/test_kv_formats.py.)"""
+    params = greedy(NEW, logprobs=2)
     alone_llm = LLM("smollm2-135m", kv_cache_dtype="int8", kv_cache_memory="64MiB", **FP32)
-    alone = [alone_llm.generate(p, greedy(NEW), use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    alone = [alone_llm.generate(p, params, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
     llm = LLM("smollm2-135m", kv_cache_dtype="int8", enable_prefix_caching=False, **{"kv_cache_memory": "64MiB", **options}, **FP32)
-    assert _run(llm) == alone
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert llm.engine.kv_manager.pool.num_used == 0
+    parted = 0
+    for a, b in zip(alone, outs):
+        at = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if at is not None:
+            first, second = sorted(a.logprobs[at].top.values(), reverse=True)[:2]
+            assert first - second < 0.05, f"parted at token {at} without a near-tie ({first:.3f} vs {second:.3f})"
+            parted += 1
+    assert parted <= 1
     if "preemption_mode" in options:
         assert llm.engine.scheduler.stats.num_preemptions > 0

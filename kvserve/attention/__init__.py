@@ -34,6 +34,7 @@ class QueryGroup:
     # [B] the first query of each sequence whose attention probabilities vote for cached tokens (a KV policy's
     # votes; Q or more: none); None: no sequence of the group votes
     score_from: torch.Tensor | None = None
+    in_order: bool = False  # the group's valid queries are all of the step's tokens, in order (flat_index = arange)
 
     @property
     def is_decode(self) -> bool:
@@ -43,7 +44,7 @@ class QueryGroup:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QueryGroup(move(self.query_index), move(self.query_valid), [move(t) for t in self.block_tables],
                           [move(m) for m in self.masks], move(self.flat_index), [move(t) for t in self.context_lens], self.is_causal,
-                          move(self.score_from))
+                          move(self.score_from), self.in_order)
 
 
 @dataclass(slots=True)

@@ -26,5 +26,5 @@ class NativeCPUBackend(SDPABackend):
         if not group.is_decode or value_dims is not None or self.stores[j] is None:  # the kernel reads K and V stores of one width, unmerged
             return super().attend(g, j, q, group, scale, value_dims)
         k, v, k_code, v_code, k_res, v_res, res_code = self.stores[j]
-        return native_ops().paged_decode_attention(q[group.flat_index], k, v, group.block_tables[g], group.context_lens[g], scale,
+        return native_ops().paged_decode_attention(q if group.in_order else q[group.flat_index], k, v, group.block_tables[g], group.context_lens[g], scale,
                                                    k_code, v_code, k_res, v_res, res_code, self.windows[g])

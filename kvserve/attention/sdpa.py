@@ -17,6 +17,8 @@ class SDPABackend:
                 value_dims: int | None = None) -> torch.Tensor:
         g, j = self.cache.slot[layer]
         self.cache.write(j, k, v, ctx.slot_mappings[g])
+        if ctx.groups[0].in_order and ctx.groups[0].score_from is None:  # one group of every token: no scatter
+            return self.attend(g, j, q, ctx.groups[0], scale, value_dims)
         out = q.new_empty(*q.shape[:2], value_dims or q.shape[2])
         for i, group in enumerate(ctx.groups):
             if group.score_from is None:

@@ -155,6 +155,7 @@ class ModelRunner:
         votes = _voters(batch) if any(policies) else None
         selections = [rows for rows in (q_counts == 1, (q_counts > 1) & (q_starts == 0), (q_counts > 1) & (q_starts > 0)) if rows.any()]
         groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs, self.windows, votes) for rows in selections]
+        groups[0].in_order = len(groups) == 1 and len(owner) == len(groups[0].flat_index)  # no padding, one group
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                          if s.num_computed_tokens + n == s.num_tokens + len(s.draft_token_ids)]
         last = (offsets + real_counts - 1).tolist()
