@@ -21,20 +21,21 @@ class KVCache:
         self.layout, self.num_blocks, self.num_residual, self.dtype = layout, num_blocks, num_residual, dtype
         self.block_size = layout.block_size
         self.slot = {layer: (g, j) for g, group in enumerate(layout.groups) for j, layer in enumerate(group.layers)}
-        spec, n = layout.groups[0].spec, layout.layers_per_group
+        spec, n, bs = layout.groups[0].spec, layout.layers_per_group, layout.block_size
+        heads = spec.num_heads
         # MiniCache: a merged layer pair's K and V stores, and which of the pair each layer is (one group: j is the layer)
         self.merged: dict[int, tuple[MergedStore, MergedStore, int]] = {}
         for a, b in layout.merge.pairs(n) if layout.merge else ():
-            stores = tuple(MergedStore(layout.merge, fmt, num_blocks, layout.block_size, spec.num_heads, spec.k_dim, device)
+            stores = tuple(MergedStore(layout.merge, fmt, num_blocks, bs, heads, spec.k_dim, device)
                            for fmt in (layout.k_format, layout.v_format))
             self.merged[a], self.merged[b] = (*stores, 0), (*stores, 1)
-        self.k = [{} if j in self.merged else _allocate(layout.k_format, num_blocks, layout, spec.k_dim, device) for j in range(n)]
-        self.v = [_allocate(layout.v_format, num_blocks, layout, spec.v_dim, device) if spec.v_dim and j not in self.merged else {}
+        self.k = [{} if j in self.merged else layout.k_format.allocate(num_blocks, bs, heads, spec.k_dim, device) for j in range(n)]
+        self.v = [layout.v_format.allocate(num_blocks, bs, heads, spec.v_dim, device) if spec.v_dim and j not in self.merged else {}
                   for j in range(n)]
         self.residual_k = self.residual_v = None
         if layout.has_residual:
-            self.residual_k = [_allocate(layout.residual_format, num_residual, layout, spec.k_dim, device) for _ in range(n)]
-            self.residual_v = [_allocate(layout.residual_format, num_residual, layout, spec.v_dim, device) for _ in range(n)]
+            self.residual_k = [layout.residual_format.allocate(num_residual, bs, heads, spec.k_dim, device) for _ in range(n)]
+            self.residual_v = [layout.residual_format.allocate(num_residual, bs, heads, spec.v_dim, device) for _ in range(n)]
         self._main = [t for stores in (self.k, self.v) for store in stores for t in store.values()]
         self._main += [t for j, (k, v, which) in self.merged.items() if which == 0 for store in (k, v) for t in store.tensors]
         # what writes go to, per layer of a group: (format, {part: [slots, ...] view}) for K and for V
@@ -141,8 +142,3 @@ class KVCache:
         ids = torch.tensor(block_ids, device=self.device, dtype=torch.long)
         return ids[ids < self.num_blocks], ids[ids >= self.num_blocks] - self.num_blocks
 
-
-def _allocate(fmt: KVFormat, num_blocks: int, layout: KVLayout, dim: int, device) -> Store:
-    heads = layout.groups[0].spec.num_heads
-    return {name: torch.zeros((num_blocks, *part.shape), dtype=part.dtype, device=device)
-            for name, part in fmt.parts(layout.block_size, heads, dim).items()}

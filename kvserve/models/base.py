@@ -73,11 +73,10 @@ class CausalLM(nn.Module):
                 module.native = True
             if isinstance(module, MLP):
                 module.native = module.silu
-        fused = fuse_hf_weights(gguf_blocks, self.config)
-        layers = [(name, m) for name, m in self.named_modules() if isinstance(m, Linear) and f"{name}.weight" in fused]
-        for module in self.modules():
             if isinstance(module, Linear):
                 module.int8_activations = int8_activations
+        fused = fuse_hf_weights(gguf_blocks, self.config)
+        layers = [(name, m) for name, m in self.named_modules() if isinstance(m, Linear) and f"{name}.weight" in fused]
         for name, module in layers:
             module.blocks = fused[f"{name}.weight"]
             assert module.blocks.shape[0] == module.out_features

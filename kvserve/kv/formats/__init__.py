@@ -53,6 +53,11 @@ class KVFormat:
         x = self.dequantize_tokens({k: v.flatten(0, 1) for k, v in parts.items()}, dtype)
         return x.view(n, bs, *x.shape[1:])
 
+    def allocate(self, num_blocks: int, block_size: int, heads: int, dim: int, device) -> dict[str, torch.Tensor]:
+        """Zeroed parts for `num_blocks` blocks of `block_size` tokens: each [num_blocks, *part shape]."""
+        return {name: torch.zeros((num_blocks, *part.shape), dtype=part.dtype, device=device)
+                for name, part in self.parts(block_size, heads, dim).items()}
+
     def block_bytes(self, block_size: int, heads: int, dim: int) -> int:
         return sum(p.nbytes for p in self.parts(block_size, heads, dim).values())
 

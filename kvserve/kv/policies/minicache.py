@@ -85,10 +85,9 @@ class MergedStore:
 
     def __init__(self, policy: MiniCache, fmt: KVFormat, num_blocks: int, block_size: int, heads: int, dim: int, device):
         self.policy, self.fmt, self.block_size = policy, fmt, block_size
-        alloc = lambda parts: {n: torch.zeros((num_blocks, *p.shape), dtype=p.dtype, device=device) for n, p in parts.items()}  # noqa: E731
-        self.direction = alloc(fmt.parts(block_size, heads, dim))
+        self.direction = fmt.allocate(num_blocks, block_size, heads, dim, device)
         self.norm = torch.zeros((num_blocks, block_size, 2, heads), dtype=norm_dtype(fmt), device=device)
-        self.kept = alloc(fmt.parts(policy.retain, heads, dim))
+        self.kept = fmt.allocate(num_blocks, policy.retain, heads, dim, device)
         self.kept_at = torch.full((num_blocks, policy.retain, heads), -1, dtype=torch.int16, device=device)  # offset in block; -1: none
         self._direction_flat = {n: t.flatten(0, 1) for n, t in self.direction.items()}
         self._norm_flat = self.norm.flatten(0, 1)
