@@ -22,7 +22,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.models.gguf_convert import converted_dir
+from kvserve.models.loader import transformers_model
 from kvserve.models.registry import resolve_model_path
 
 DEVICE = EngineConfig().torch_device  # kvserve's default device: transformers runs on the same one
@@ -62,10 +62,8 @@ def weight_bytes(path) -> int:
     return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def transformers_decode(model_dir, prompt: list[int], new_tokens: int) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
+def transformers_decode(path, prompt: list[int], new_tokens: int) -> float:
+    model = transformers_model(path).to(DEVICE).eval()
     ids = torch.tensor([prompt], device=DEVICE)
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
@@ -97,7 +95,7 @@ def main() -> None:
     path = resolve_model_path(args.model)
     nbytes = weight_bytes(path)
     read = read_ms(nbytes)
-    hf = transformers_decode(converted_dir(path) if path.suffix == ".gguf" else path, prompt, args.new_tokens)
+    hf = transformers_decode(path, prompt, args.new_tokens)
 
     print(f"\nbatch-1 decode, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, {DEVICE}")
     print(f"  kvserve (KV cache)      {with_cache:8.1f} tok/s")

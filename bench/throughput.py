@@ -21,7 +21,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.models.gguf_convert import converted_dir
+from kvserve.models.loader import transformers_model
 from kvserve.models.registry import resolve_model_path
 
 DEVICE = EngineConfig().torch_device  # kvserve's default device: transformers runs on the same one
@@ -52,10 +52,8 @@ def run_kvserve(name: str, llm: LLM, prompts: list[list[int]], new_tokens: int) 
     return Result(name, generated / seconds, [o.metrics.ttft for o in outputs], 1 - held / max(allocated, 1))
 
 
-def run_transformers(model_dir, prompts: list[list[int]], new_tokens: int, batch_size: int, dtype: str) -> Result:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(DEVICE).eval()
+def run_transformers(path, prompts: list[list[int]], new_tokens: int, batch_size: int, dtype: str) -> Result:
+    model = transformers_model(path, getattr(torch, dtype)).to(DEVICE).eval()
     start, generated = time.perf_counter(), 0
     with torch.inference_mode():
         for i in range(0, len(prompts), batch_size):
@@ -98,9 +96,7 @@ def main() -> None:
         bf16 = llm.engine.config.bf16_matmuls
         del llm
     if not args.skip_transformers:
-        path = resolve_model_path(args.model)
-        model_dir = converted_dir(path) if path.suffix == ".gguf" else path
-        results.append(run_transformers(model_dir, prompts, args.new_tokens, args.max_num_seqs, args.transformers_dtype))
+        results.append(run_transformers(resolve_model_path(args.model), prompts, args.new_tokens, args.max_num_seqs, args.transformers_dtype))
 
     lengths = [len(p) for p in prompts]
     print(f"\n{args.num_requests} requests, prompts {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}), "

@@ -64,6 +64,15 @@ def smollm2() -> LLM:
     return LLM("smollm2-135m", **FP32)
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own reading of the SmolLM2 GGUF (dequantized to fp32): the reference model."""
+    from kvserve.models.loader import transformers_model
+    from kvserve.models.registry import resolve_model_path
+
+    return transformers_model(resolve_model_path("smollm2-135m")).eval()
+
+
 def greedy(max_tokens: int, **kw):
     from kvserve import SamplingParams
 

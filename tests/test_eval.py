@@ -70,14 +70,9 @@ def test_full_precision_baseline_finds_the_passkey(report):
     assert base["passkey"] == {"256": {"0": 1.0, "50": 1.0}}
 
 
-def test_baseline_perplexity_is_transformers(report, smollm2):
+def test_baseline_perplexity_is_transformers(report, smollm2, hf_smollm2):
     """The harness measures the model, not itself: the same windows through transformers, in fp32."""
-    from transformers import AutoModelForCausalLM
-
-    from kvserve.models.gguf_convert import converted_dir
-    from kvserve.models.registry import resolve_model_path
-
-    hf = AutoModelForCausalLM.from_pretrained(converted_dir(resolve_model_path("smollm2-135m")), dtype=torch.float32).eval()
+    hf = hf_smollm2
     ids = smollm2.engine.tokenize(load_text(None))
     nll, count = 0.0, 0
     with torch.no_grad():

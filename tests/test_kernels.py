@@ -1,4 +1,5 @@
-"""kvserve.kernels: the GGUF-block matmul and paged decode attention equal plain torch, and the engine answers the same with them."""
+"""kvserve.kernels: quantized weights (packing, dequantizing, matmuls) equal the gguf package's values and plain torch; paged
+decode attention and the small ops equal torch; the engine answers the same with them."""
 from __future__ import annotations
 
 import gguf
@@ -10,10 +11,46 @@ import torch.nn.functional as F
 from kvserve import LLM
 from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear
+from kvserve.layers.quantized import GGUFTensor, QuantizedWeight
+from kvserve.models.registry import resolve_model_path
 from tests.conftest import FP32, greedy
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
-TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
+T = gguf.GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+ISAS = ["avx2"] + (["avx512_vnni"] if native_ops() is not None and native_ops().kernel_isa() == "avx512_vnni" else [])
+
+
+def random_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """A GGUF tensor's blocks [rows, bytes]: quantized by the gguf package where it can (legacy types), else random
+    bytes with small fp16 super-block scales (K-quants, which it only dequantizes)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    weights, nbytes = gguf.constants.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // weights, nbytes), dtype=np.uint8)
+    scales = lambda: (rng.random((rows, cols // weights, 1)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)  # noqa: E731
+    if qtype == T.Q6_K:
+        blocks[..., 208:210] = scales()
+    else:
+        blocks[..., 0:2], blocks[..., 2:4] = scales(), scales()  # d, dmin
+    return blocks.reshape(rows, -1)
+
+
+def packed(qtype, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the kernels' packed weight, the gguf package's dequantized values)."""
+    blocks = random_blocks(qtype, rows, cols, seed)
+    values = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
+    return native_ops().gguf_pack(torch.from_numpy(blocks), int(qtype)), values
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each kernel instruction set this CPU runs (AVX2 forced where AVX-512 VNNI would be picked)."""
+    before = native_ops().kernel_isa()
+    native_ops().set_kernel_isa(request.param)
+    yield request.param
+    native_ops().set_kernel_isa(before)
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -24,58 +61,106 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
     return ((g * inv).round() * scale).flatten(-2)
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])
+def _widths(qtype) -> list[int]:
+    """Row widths: whole groups of four blocks and tails of one to three (legacy types); one to three super-blocks."""
+    return [32, 96, 160, 576] if gguf.constants.GGML_QUANT_SIZES[qtype][0] == 32 else [256, 768]
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 32])
-def test_matmul_equals_dequantized_fp32(qtype, rows, int8):
-    rng = np.random.default_rng(rows)
-    blocks = gguf.quants.quantize(rng.standard_normal((80, 192)).astype(np.float32), qtype)
-    weight = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
-    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)) * 3
-    x[0, :32] = 0  # a block of zeros: scale 0
-    out = native_ops().gguf_matmul(x, torch.from_numpy(blocks), int8)
-    torch.testing.assert_close(out, (int8_rows(x) if int8 else x) @ weight.T, rtol=1e-5, atol=1e-4)
+def test_packed_weights_dequantize_to_the_gguf_packages_values(qtype):
+    for cols in _widths(qtype):
+        w, values = packed(qtype, 37, cols, seed=cols)
+        assert torch.equal(native_ops().gguf_dequantize(w, int(qtype), cols, torch.float32), values), cols
+        assert torch.equal(native_ops().gguf_dequantize(w, int(qtype), cols, torch.bfloat16), values.bfloat16()), cols
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype, int8):
+def test_matmul_equals_dequantized_fp32(qtype, int8, isa):
+    """Every type, rows 1..64, odd row counts and widths: fp32 math on the gguf package's values (and, for int8
+    activations, on the activations as the kernel quantizes them), to float rounding."""
+    for cols in _widths(qtype):
+        w, values = packed(qtype, 45, cols, seed=cols)
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 31, 64):
+            x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 3
+            x[0, :32] = 0  # a block of zeros: scale 0
+            out = native_ops().gguf_matmul(x, w, int(qtype), int8)
+            want = (int8_rows(x) if int8 else x) @ values.T
+            bound = 1e-5 * (x.abs() @ values.abs().T) + 1e-6  # float rounding of the sum of |x w| terms
+            assert ((out - want).abs() <= bound).all(), (cols, rows, float(((out - want).abs() / bound).max()))
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype, int8, isa):
     """Speculative verification multiplies a sequence's guesses with its last token: each row must come out
     bit for bit as it would alone, so that verified tokens equal one-token decoding."""
-    blocks = torch.from_numpy(gguf.quants.quantize(np.random.default_rng(0).standard_normal((40, 96)).astype(np.float32), qtype))
-    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(1))
-    alone = torch.cat([native_ops().gguf_matmul(x[i:i + 1], blocks, int8) for i in range(13)])
+    w, _ = packed(qtype, 40, 256)
+    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([native_ops().gguf_matmul(x[i:i + 1], w, int(qtype), int8) for i in range(13)])
     for rows in range(2, 14):
-        assert torch.equal(native_ops().gguf_matmul(x[:rows], blocks, int8), alone[:rows]), rows
+        assert torch.equal(native_ops().gguf_matmul(x[:rows], w, int(qtype), int8), alone[:rows]), rows
 
 
-def test_linear_uses_blocks_only_for_few_rows():
-    blocks = gguf.quants.quantize(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32), TYPES[1])
-    layer = Linear(64, 8, bias=False)
-    layer.blocks = torch.from_numpy(blocks)  # deliberately not the values of layer.weight: shows which path ran
-    x = torch.randn(300, 64)
-    dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, TYPES[1]).astype(np.float32))
-    torch.testing.assert_close(layer(x[:2]), x[:2] @ dequantized.T, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(layer(x[:40]), x[:40] @ layer.weight.T)  # fp32, as W @ x^T
-    torch.testing.assert_close(layer(x), x @ layer.weight.T)  # fp32, as x @ W^T
+def test_kernel_isa_can_be_forced():
+    before = native_ops().kernel_isa()
+    native_ops().set_kernel_isa("avx2")
+    assert native_ops().kernel_isa() == "avx2"
+    native_ops().set_kernel_isa(before)
+    with pytest.raises(RuntimeError, match="kernel ISA must be avx2 or avx512_vnni, got sse"):
+        native_ops().set_kernel_isa("sse")
 
 
-def test_linear_adds_bias_on_both_fp32_paths():
-    layer = Linear(64, 8, bias=True)
-    for rows in (5, 300):
+def test_quantized_linear_uses_the_kernels_for_few_rows_and_tiles_for_many(monkeypatch):
+    from kvserve.layers import quantized
+
+    monkeypatch.setattr(quantized, "TILE_BYTES", 8 * 64 * 4)  # tiles of 8 rows: the GEMM runs over several
+    blocks = random_blocks(T.Q4_1, 20, 64)
+    layer = Linear(64, 20, bias=True)
+    layer.use_quantized(QuantizedWeight.pack(GGUFTensor(torch.from_numpy(blocks), "Q4_1", (20, 64))))
+    assert layer.weight is None
+    values = torch.from_numpy(gguf.quants.dequantize(blocks, T.Q4_1).astype(np.float32))
+    for rows in (2, 40, 300):
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias)
+        torch.testing.assert_close(layer(x), x @ values.T + layer.bias, rtol=1e-5, atol=1e-4)
 
 
-def test_unsupported_block_size_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="unsupported GGUF block of 22 bytes"):
-        native_ops().gguf_matmul(torch.randn(1, 64), torch.zeros(4, 44, dtype=torch.uint8))
+def test_quantized_weight_parts_of_different_types_concatenate():
+    """A fused projection whose parts the file stores in different types (Gemma 3's q/k Q5_0 and v Q8_0)."""
+    parts = [(T.Q5_0, 24), (T.Q5_0, 8), (T.Q8_0, 8)]
+    blocks = [random_blocks(t, n, 64, seed=i) for i, (t, n) in enumerate(parts)]
+    weight = QuantizedWeight.cat([QuantizedWeight.pack(GGUFTensor(torch.from_numpy(b), t.name, (n, 64)))
+                                  for b, (t, n) in zip(blocks, parts)])
+    assert weight.types == ["Q5_0", "Q8_0"] and weight.out_features == 40
+    values = torch.cat([torch.from_numpy(gguf.quants.dequantize(b, t).astype(np.float32)) for b, (t, _) in zip(blocks, parts)])
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(weight.matmul(x, False), x @ values.T, rtol=1e-5, atol=1e-4)
+    assert torch.equal(weight.dequantize(), values)
+    ids = torch.tensor([[3, 0], [39, 3]])
+    with pytest.raises(ValueError):  # an embedding is one type
+        weight.rows(ids)
 
 
-def test_smollm2_decodes_the_same_with_and_without_blocks(smollm2):
-    assert sum(getattr(m, "blocks", None) is not None for m in smollm2.engine.runner.model.modules()) == 121
+def test_unsupported_type_and_mismatched_rows_are_clear_errors():
+    with pytest.raises(RuntimeError, match="GGUF type 10 has no kvserve kernel"):
+        native_ops().gguf_pack(torch.zeros(4, 84, dtype=torch.uint8), 10)  # Q2_K
+    w, _ = packed(T.Q4_1, 4, 64)
+    with pytest.raises(RuntimeError, match="expected packed rows of 20 bytes"):
+        native_ops().gguf_matmul(torch.randn(1, 32), w, int(T.Q4_1))
+
+
+def test_smollm2_keeps_its_gguf_weights_packed(smollm2):
+    model = smollm2.engine.runner.model
+    quantized = [m for m in model.modules() if getattr(m, "qweight", None) is not None]
+    assert len(quantized) == 122 and all(m.weight is None for m in quantized)  # 30 x 4 linears, the embedding, the tied head
+    assert model.lm_head.qweight is model.embed_tokens.qweight and model.lm_head.qweight.types == ["Q8_0"]
+    size = resolve_model_path("smollm2-135m").stat().st_size
+    assert 0.95 * size < model.weight_bytes() < 1.02 * size
+
+
+def test_smollm2_decodes_the_same_with_packed_and_dequantized_weights(smollm2):
     plain = LLM("smollm2-135m", native_kernels=False, kv_cache_memory="64MiB", **FP32)
-    assert not any(getattr(m, "blocks", None) is not None for m in plain.engine.runner.model.modules())
+    assert not any(getattr(m, "qweight", None) is not None for m in plain.engine.runner.model.modules())
     prompts = ["The three primary colors are", "def fibonacci(n):"]
     assert [o.outputs[0].token_ids for o in smollm2.generate(prompts, greedy(24), use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(24), use_tqdm=False)]

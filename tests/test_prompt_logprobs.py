@@ -13,13 +13,8 @@ TEXT = ("The KV cache keeps the keys and values of every token a model has seen,
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2):
-    from transformers import AutoModelForCausalLM
-
-    from kvserve.models.gguf_convert import converted_dir
-    from kvserve.models.registry import resolve_model_path
-
-    hf = AutoModelForCausalLM.from_pretrained(converted_dir(resolve_model_path("smollm2-135m")), dtype=torch.float32).eval()
+def expected(smollm2, hf_smollm2):
+    hf = hf_smollm2
     ids = smollm2.engine.tokenize(TEXT)
     with torch.no_grad():
         logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)

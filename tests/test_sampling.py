@@ -51,15 +51,10 @@ def test_eos_stops_unless_ignored(smollm2):
     assert ignored.outputs[0].finish_reason == "length" and len(ignored.outputs[0].token_ids) == len(stopped.outputs[0].token_ids) + 3
 
 
-def test_logprobs_equal_transformers(smollm2):
+def test_logprobs_equal_transformers(smollm2, hf_smollm2):
     """The chosen token's and the top 3's log-probabilities at each step, against transformers' log-softmax (fp32)."""
-    from transformers import AutoModelForCausalLM
-
-    from kvserve.models.gguf_convert import converted_dir
-    from kvserve.models.registry import resolve_model_path
-
     out = smollm2.generate(PROMPT, SamplingParams(temperature=0.7, seed=1, max_tokens=6, logprobs=3), use_tqdm=False)[0]
-    hf = AutoModelForCausalLM.from_pretrained(converted_dir(resolve_model_path("smollm2-135m")), dtype=torch.float32).eval()
+    hf = hf_smollm2
     ids = out.prompt_token_ids + out.outputs[0].token_ids
     with torch.no_grad():
         expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)[len(out.prompt_token_ids) - 1: -1]

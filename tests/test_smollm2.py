@@ -3,18 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.models.registry import resolve_model_path
 from kvserve import SamplingParams
 from tests.conftest import greedy
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn.", "Explain what a KV cache is in one sentence."]
 
 
-def test_greedy_matches_transformers_from_gguf(smollm2):
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model_path("smollm2-135m")
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+def test_greedy_matches_transformers_from_gguf(smollm2, hf_smollm2):
+    hf = hf_smollm2
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
     outputs = smollm2.chat(conversations, greedy(32))
     for conversation, out in zip(conversations, outputs):

@@ -18,7 +18,8 @@ from kvserve.kv.cache import KVCache
 from kvserve.kv.spec import KVLayout
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample, score_prompt
 from kvserve.models.base import CausalLM
-from kvserve.models.loader import Checkpoint, load_gguf_blocks, load_weights
+from kvserve.layers.quantized import GGUFTensor, QuantizedWeight, load_tensor
+from kvserve.models.loader import Checkpoint, load_weights
 from kvserve.models.registry import model_class
 from kvserve.spec_decode import verify
 
@@ -54,9 +55,9 @@ class ModelRunner:
         self.native = config.native_kernels and self.device.type == "cpu" and config.dtype == "float32" and native_ops()
         self.model = model
         if model is None:
-            self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device)
+            self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device, quantized=bool(self.native))
             if self.native:
-                self.model.use_native_kernels(load_gguf_blocks(checkpoint), int8_activations=config.matmul_dtype != "float32")
+                self.model.use_native_kernels(int8_activations=config.matmul_dtype != "float32")
             if config.bf16_matmuls:
                 self.model.use_bf16_matmuls()
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
@@ -242,10 +243,16 @@ def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tenso
                       votes[rows] if votes is not None and bool((votes[rows] < count).any()) else None)
 
 
-def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device) -> CausalLM:
+def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device,
+                quantized: bool = False) -> CausalLM:
+    """The model with the checkpoint's weights; `quantized`: a GGUF file's quantized tensors stay packed for
+    kvserve.kernels (else they are dequantized)."""
     with torch.device("meta"):
         model = model_class(checkpoint.hf_config)(checkpoint.config, max_positions)
-    weights = {k: v.to(device=device, dtype=dtype) for k, v in load_weights(checkpoint).items()}
+    weights = load_weights(checkpoint)
+    for name, w in weights.items():  # one at a time: the file's blocks of a tensor are freed as it is packed
+        w = load_tensor(w, quantized) if isinstance(w, GGUFTensor) else w
+        weights[name] = w if isinstance(w, QuantizedWeight) else w.to(device=device, dtype=dtype)
     try:
         model.load_hf_weights(weights)
     except (KeyError, RuntimeError) as e:

@@ -1,6 +1,8 @@
-"""Native CPU kernels (AVX2), compiled on first use by torch's cpp_extension, which caches the build.
+"""Native CPU kernels (AVX2, and AVX-512 VNNI picked at run time where the CPU has it), compiled on first use by
+torch's cpp_extension, which caches the build.
 
-They register as torch ops under torch.ops.kvserve: gguf_matmul, paged_decode_attention, rms_norm, rope_, silu_and_mul.
+They register as torch ops under torch.ops.kvserve: gguf_pack, gguf_dequantize, gguf_matmul, kernel_isa,
+set_kernel_isa, paged_decode_attention, rms_norm, rope_, silu_and_mul.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = ["gguf_matmul.cpp", "paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp"]
+SOURCES = ["quant_matmul.cpp", "quant_matmul_avx512.cpp", "paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp"]
 
 
 @functools.cache
@@ -28,7 +30,7 @@ def native_ops():
         # torch's build cache hashes the sources only; the name carries every file's digest, headers included
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(here.glob("*.[ch]*")))).hexdigest()[:12]
         load(name=f"kvserve_kernels_{digest}", sources=[str(here / s) for s in SOURCES], is_python_module=False,
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
         return torch.ops.kvserve
     except Exception as e:  # no compiler or headers: slower, never wrong
         logger.warning("kvserve kernels unavailable (%s); using plain torch", e)

@@ -1,5 +1,5 @@
 """What every decoder shares: the layer loop, the LM head, and the weight transforms done at load
-(q/k/v and gate/up fused into one matmul each, bf16 weights, a GGUF file's own blocks, Q8_0 blocks)."""
+(q/k/v and gate/up fused into one matmul each, quantized weights kept packed, bf16 weights, Q8_0 drafts)."""
 from __future__ import annotations
 
 import itertools
@@ -9,8 +9,9 @@ from torch import nn
 
 from kvserve.attention import ForwardContext
 from kvserve.config import ModelConfig
-from kvserve.layers.linear import Linear
+from kvserve.layers.linear import Embedding, Linear
 from kvserve.layers.norm import RMSNorm
+from kvserve.layers.quantized import GGUFTensor, QuantizedWeight
 from kvserve.layers.rotary import RotaryEmbedding
 
 
@@ -51,21 +52,40 @@ class CausalLM(nn.Module):
         """A Hugging Face state dict renamed and fused to this module's parameters."""
         return fuse_hf_weights(weights, self.config)
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.load_state_dict(self.hf_state_dict(weights), strict=True, assign=True)
-        if self.config.tie_word_embeddings:
+    def load_hf_weights(self, weights: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+        """Dense tensors become parameters; quantized ones stay packed in their linear layer or embedding."""
+        state = self.hf_state_dict(weights)
+        quantized = {name: w for name, w in state.items() if isinstance(w, QuantizedWeight)}
+        missing, unexpected = self.load_state_dict({n: w for n, w in state.items() if n not in quantized}, strict=False, assign=True)
+        for name, weight in quantized.items():
+            module = self.get_submodule(name.removesuffix(".weight"))
+            if not isinstance(module, (Linear, Embedding)) or not name.endswith(".weight"):
+                raise RuntimeError(f"{name} is quantized, but {type(module).__name__} holds only dense weights")
+            module.use_quantized(weight)
+        if [n for n in missing if n not in quantized] or unexpected:
+            raise RuntimeError(f"missing weights {[n for n in missing if n not in quantized]}, unexpected weights {unexpected}")
+        if self.config.tie_word_embeddings and self.embed_tokens.weight is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold in memory (shared ones once)."""
+        tensors = list(self.parameters()) + [rows for m in self.modules() if getattr(m, "qweight", None) is not None
+                                             for _, rows in m.qweight.parts]
+        return sum({t.data_ptr(): t.nbytes for t in tensors}.values())
+
     def use_bf16_matmuls(self) -> None:
-        """Every linear layer's weight in bf16 (the LM head untied from the embedding, which stays fp32);
-        activations stay fp32 and are cast at each matmul."""
+        """Every linear layer multiplies in bf16: a dense weight is kept in bf16 (the LM head untied from the
+        embedding, which stays fp32), a quantized one dequantizes its tiles to bf16; activations stay fp32 and
+        are cast at each matmul."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+                module.gemm_dtype = torch.bfloat16
+                if module.weight is not None:
+                    module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
 
-    def use_native_kernels(self, gguf_blocks: dict[str, torch.Tensor], int8_activations: bool = False) -> int:
-        """Norms, RoPE and SiLU-and-mul use kvserve.kernels, and each linear layer gets its GGUF blocks (by HF name) where
-        the file has them (int8_activations: multiplied by int8-quantized activations); returns how many got blocks."""
+    def use_native_kernels(self, int8_activations: bool = False) -> None:
+        """Norms, RoPE and SiLU-and-mul use kvserve.kernels; quantized linear layers multiply int8-quantized
+        activations where asked."""
         from kvserve.models.llama import MLP, Attention
 
         for module in self.modules():
@@ -75,30 +95,25 @@ class CausalLM(nn.Module):
                 module.native = module.silu
             if isinstance(module, Linear):
                 module.int8_activations = int8_activations
-        fused = fuse_hf_weights(gguf_blocks, self.config)
-        layers = [(name, m) for name, m in self.named_modules() if isinstance(m, Linear) and f"{name}.weight" in fused]
-        for name, module in layers:
-            module.blocks = fused[f"{name}.weight"]
-            assert module.blocks.shape[0] == module.out_features
-        return len(layers)
 
-    def use_q8_blocks(self) -> None:
-        """Q8_0 blocks for every linear layer that has none, against int8 activations, and native norms (a draft
-        model: it reads 8.5 bits per weight instead of 32 or 16)."""
-        self.use_native_kernels({}, int8_activations=True)
+    def use_q8_weights(self, int8_activations: bool) -> None:
+        """Every dense linear layer quantized to Q8_0, and native norms (a draft model: it reads 8.5 bits per
+        weight instead of 32 or 16)."""
+        self.use_native_kernels(int8_activations)
         for module in self.modules():
-            if isinstance(module, Linear) and module.blocks is None and module.in_features % 32 == 0:
-                module.blocks = _q8_blocks(module.weight)
+            if isinstance(module, Linear) and module.weight is not None and module.in_features % 32 == 0:
+                module.use_quantized(_q8(module.weight))
 
 
-def _q8_blocks(weight: torch.Tensor) -> torch.Tensor:
+def _q8(weight: torch.Tensor) -> QuantizedWeight:
     import gguf
 
     rows = weight.detach().float().cpu().numpy()
-    return torch.from_numpy(gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q8_0))
+    blocks = torch.from_numpy(gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q8_0))
+    return QuantizedWeight.pack(GGUFTensor(blocks, "Q8_0", tuple(weight.shape)))
 
 
-def fuse_hf_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def fuse_hf_weights(weights: dict, config: ModelConfig) -> dict:
     """Rename and fuse q/k/v and gate/up (weights and biases); parts that are missing or of unequal width are
     left unfused."""
     w = {k.removeprefix("model."): v for k, v in weights.items() if "rotary_emb" not in k}
@@ -114,6 +129,15 @@ def fuse_hf_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> di
     return w
 
 
-def _fuse(w: dict[str, torch.Tensor], parts: list[str], name: str) -> None:
-    if all(p in w for p in parts) and len({w[p].shape[1:] for p in parts}) == 1:
-        w[name] = torch.cat([w.pop(p) for p in parts])
+def _fuse(w: dict, parts: list[str], name: str) -> None:
+    if not all(p in w for p in parts) or len({_width(w[p]) for p in parts}) != 1:
+        return
+    tensors = [w.pop(p) for p in parts]
+    if all(isinstance(t, QuantizedWeight) for t in tensors):
+        w[name] = QuantizedWeight.cat(tensors)
+    else:  # a file that stores some parts dense: all dense
+        w[name] = torch.cat([t.dequantize() if isinstance(t, QuantizedWeight) else t for t in tensors])
+
+
+def _width(t) -> tuple:
+    return (t.in_features,) if isinstance(t, QuantizedWeight) else tuple(t.shape[1:])

@@ -1,7 +1,9 @@
 """Convert a GGUF file once into a Hugging Face-style directory under the kvserve cache.
 
-Reading a GGUF (its 49k-entry tokenizer arrays, dequantization) takes ~20 s for SmolLM2; loading the
-converted directory takes well under a second, so every later start reads the cache.
+Reading a GGUF (its 49k-entry tokenizer arrays) takes seconds; loading the converted directory takes well
+under a second, so every later start reads the cache. Weights keep the file's own format: quantized
+tensors are stored as their rows of blocks (WEIGHTS_FILE, the type of each in its metadata), never
+dequantized, so the cache holds about the file's size.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import torch
 
 from kvserve.errors import KVServeError
 
-CONVERTER_VERSION = 3
-BLOCKS_FILE = "gguf_blocks.safetensors"  # the file's own 4/8-bit blocks, for kvserve.kernels
-_KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+CONVERTER_VERSION = 4
+WEIGHTS_FILE = "gguf_weights.safetensors"
+TYPES_KEY = "ggml_types"  # WEIGHTS_FILE's metadata entry: a JSON object, name -> [GGUF type, rows, columns] of each quantized tensor
+_FLOAT_TYPES = ("F32", "F16")  # stored as arrays; every other type as its blocks
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}  # general.architecture ->
 
 _LAYER_NAMES = {
@@ -101,27 +104,38 @@ def _convert(gguf_path: Path, out: Path) -> None:
     reader = gguf.GGUFReader(gguf_path)
     config = _hf_config(reader)
     arch = config["model_type"]
-    weights, blocks = {}, {}
+    tensors, types = {}, {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":  # Llama 3.1's RoPE scaling, one factor per frequency
             config["rope_freq_factors"] = _dequantize(tensor).astype(float).tolist()
             continue
-        name, array = _hf_name(tensor.name, arch), _dequantize(tensor)
-        raw = np.asarray(tensor.data).reshape(array.shape[0], -1) if tensor.tensor_type.name in _KERNEL_TYPES else None
+        name, qtype = _hf_name(tensor.name, arch), tensor.tensor_type.name
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+        array = np.asarray(tensor.data) if qtype in _FLOAT_TYPES else np.asarray(tensor.data).reshape(shape[0], -1)
         if arch == "gemma3_text" and name.endswith("norm.weight"):
-            array = array - 1  # llama.cpp stores Gemma's 1 + weight; Hugging Face stores the weight
+            array, qtype = _dequantize(tensor) - 1, "F32"  # llama.cpp stores Gemma's 1 + weight; Hugging Face stores the weight
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
-            array = _unpermute_rope(array, heads)
-            raw = None if raw is None else _unpermute_rope(raw, heads)  # whole rows move, blocks and all
-        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: the file is mapped read-only
-        if raw is not None:
-            blocks[name] = torch.from_numpy(np.array(raw, dtype=np.uint8))
-    save_file(weights, out / "model.safetensors")
-    save_file(blocks, out / BLOCKS_FILE)
+            array = _unpermute_rope(array.reshape(shape[0], -1), heads)  # whole rows move, blocks and all
+        if qtype not in _FLOAT_TYPES:
+            _check_type(tensor)
+            types[name] = [qtype, *shape]
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(array).copy())  # a copy: the file is mapped read-only
+    save_file(tensors, out / WEIGHTS_FILE, metadata={TYPES_KEY: json.dumps(types)})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if "tokenizer.ggml.model" in reader.fields:  # else prompts come as token ids
         _save_tokenizer(gguf_path, out, arch)
+
+
+def _check_type(tensor) -> None:
+    """A type the engine cannot read is one error now, not at load."""
+    import gguf
+
+    try:
+        gguf.quants.dequantize(np.asarray(tensor.data)[:1], tensor.tensor_type)
+    except NotImplementedError:
+        raise KVServeError(f"tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf package "
+                           f"(version {_gguf_version()}) cannot dequantize; convert the file to another type") from None
 
 
 def _dequantize(tensor) -> np.ndarray:

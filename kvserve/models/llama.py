@@ -9,7 +9,7 @@ from torch import nn
 from kvserve.attention import ForwardContext
 from kvserve.config import ModelConfig
 from kvserve.kernels import native_ops
-from kvserve.layers.linear import Linear
+from kvserve.layers.linear import Embedding, Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import apply_rotary
 from kvserve.models.base import CausalLM
@@ -86,7 +86,7 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__(config, max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

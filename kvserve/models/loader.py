@@ -9,7 +9,8 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import KVServeError
-from kvserve.models.gguf_convert import BLOCKS_FILE, converted_dir
+from kvserve.layers.quantized import GGUFTensor
+from kvserve.models.gguf_convert import TYPES_KEY, converted_dir
 from kvserve.models.registry import resolve_model_path
 
 
@@ -32,25 +33,32 @@ def open_checkpoint(model: str) -> Checkpoint:
     return Checkpoint(model, path, hf_config, ModelConfig.from_hf(hf_config), _load_tokenizer(directory))
 
 
-def load_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def load_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor | GGUFTensor]:
+    """The checkpoint's tensors by Hugging Face name: a GGUF file's quantized ones as their blocks."""
+    from safetensors import safe_open
 
     directory = _weights_dir(checkpoint)
-    files = [f for f in sorted(directory.glob("*.safetensors")) if f.name != BLOCKS_FILE]
+    files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise KVServeError(f"no *.safetensors files in {directory}")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | GGUFTensor] = {}
     for file in files:
-        weights.update(load_file(file))
+        with safe_open(file, framework="pt") as f:
+            quantized = json.loads((f.metadata() or {}).get(TYPES_KEY, "{}"))  # name -> [type, rows, columns]
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                weights[name] = GGUFTensor(tensor, quantized[name][0], tuple(quantized[name][1:])) if name in quantized else tensor
     return weights
 
 
-def load_gguf_blocks(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
-    """A GGUF checkpoint's Q4_0/Q4_1/Q8_0 weights as their raw blocks [rows, bytes], by HF name; {} for others."""
-    from safetensors.torch import load_file
+def transformers_model(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' own model of a model path (a GGUF file: transformers dequantizes it): the reference kvserve
+    is compared with, and the start of a distilled draft."""
+    from transformers import AutoModelForCausalLM
 
-    file = _weights_dir(checkpoint) / BLOCKS_FILE
-    return load_file(file) if checkpoint.path.suffix == ".gguf" and file.is_file() else {}
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 def _weights_dir(checkpoint: Checkpoint) -> Path:

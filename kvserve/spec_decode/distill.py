@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from kvserve.entrypoints.llm import LLM
 from kvserve.errors import KVServeError
-from kvserve.models.gguf_convert import converted_dir
+from kvserve.models.loader import transformers_model
 from kvserve.sampling_params import SamplingParams
 
 TEACHER = SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_distributions=True)
@@ -84,14 +84,11 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
 
 def prune(teacher: LLM, layers: int):
     """The target as a transformers Llama with `layers` of its decoder layers (kept_layers)."""
-    from transformers import AutoModelForCausalLM
-
     checkpoint = teacher.engine.checkpoint
     total = checkpoint.config.num_layers
     if not 1 <= layers < total:
         raise KVServeError(f"--layers must be in 1..{total - 1} for {checkpoint.name}, got {layers}")
-    directory = converted_dir(checkpoint.path) if checkpoint.path.suffix == ".gguf" else checkpoint.path
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model = transformers_model(checkpoint.path)
     keep = kept_layers(teacher, layers)
     model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in keep)
     for i, layer in enumerate(model.model.layers):

@@ -50,7 +50,7 @@ class ModelProposer(Proposer):
         num_blocks = engine.kv_manager.num_blocks // len(engine.layout.groups) * len(layout.groups)  # the target's tokens
         self.runner = ModelRunner(checkpoint, config, engine.max_model_len, layout, num_blocks, model=model)
         if model is None and self.runner.native:
-            self.runner.model.use_q8_blocks()  # a draft's speed matters, not its last digit
+            self.runner.model.use_q8_weights(config.matmul_dtype != "float32")  # a draft's speed matters, not its last digit
         self.kv = KVManager(layout, num_blocks, 0, enable_prefix_caching=False, salt="draft")
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:

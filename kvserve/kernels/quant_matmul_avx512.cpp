@@ -1,0 +1,203 @@
+// The int8-activation matmul with AVX-512 VNNI: a group of four units (128 weights) per step, two 512-bit
+// integer dot products (vpdpbusd: unsigned codes x int8 activations, 4 products per int32 lane), one
+// conversion and one FMA per activation row. Built in the same extension as the AVX2 code; only this file's
+// functions below the target pragma use AVX-512, and quant_matmul.cpp calls them where the CPU has it.
+// No ATen code is instantiated here, so nothing AVX-512 can leak into shared inline functions.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "quants.h"
+
+namespace kvq {
+
+bool avx512_supported() {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+namespace {
+
+// A group's codes (low halves of its units, high halves), the scales of each int32 lane for both, and the mins.
+struct Group {
+    __m512i lo, hi;
+    __m512 s_lo, s_hi;
+    __m128 min;
+};
+
+// Lane l of a group's dot products covers unit l / 4: spread four per-unit values over 16 lanes.
+inline __m512 spread(__m128 v) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(v));
+}
+
+// The 16 bytes of each of n units (plain loads where all four are there: masked ones stall on some CPUs).
+inline __m512i load_bytes(const uint8_t* p, int64_t n) {
+    return n == 4 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ULL << (16 * n)) - 1, p);
+}
+
+// n fp16 values (of at most four), zeros after them.
+inline __m128i load_halves(const uint8_t* p, int64_t n) {
+    return n == 4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi16(static_cast<__mmask8>((1 << n) - 1), p);
+}
+
+template <int TYPE>
+inline Group load_group(const uint8_t* w, const Layout& L, int64_t g) {
+    constexpr Info t = info(TYPE);
+    Group G;
+    const int64_t n = L.units - 4 * g < 4 ? L.units - 4 * g : 4;
+    if constexpr (t.bits == 8) {
+        const uint8_t* c = w + L.codes + 128 * g;
+        G.lo = load_bytes(c, n), G.hi = load_bytes(c + 16 * n, n);
+    } else {
+        const __m512i c = load_bytes(w + L.codes + 64 * g, n), mask = _mm512_set1_epi8(0x0F);
+        G.lo = _mm512_and_si512(c, mask), G.hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
+    }
+    if constexpr (t.bits == 5 || t.bits == 6) {
+        const uint8_t* p = w + L.hi1 + 16 * g;
+        G.lo = _mm512_mask_add_epi8(G.lo, _cvtu64_mask64(load64(p)), G.lo, _mm512_set1_epi8(16));
+        G.hi = _mm512_mask_add_epi8(G.hi, _cvtu64_mask64(load64(p + 8)), G.hi, _mm512_set1_epi8(16));
+    }
+    if constexpr (t.bits == 6) {
+        const uint8_t* p = w + L.hi2 + 16 * g;
+        G.lo = _mm512_mask_add_epi8(G.lo, _cvtu64_mask64(load64(p)), G.lo, _mm512_set1_epi8(32));
+        G.hi = _mm512_mask_add_epi8(G.hi, _cvtu64_mask64(load64(p + 8)), G.hi, _mm512_set1_epi8(32));
+    }
+    if constexpr (!t.kquant) {
+        G.s_lo = G.s_hi = spread(_mm_cvtph_ps(load_halves(w + L.scales + 8 * g, n)));
+        if constexpr (t.min) G.min = _mm_cvtph_ps(load_halves(w + L.mins + 8 * g, n));
+    } else if constexpr (t.per16) {  // eight scales, one per 16 weights: even ones for the low halves, odd for the high
+        const float d = fp16(w + L.super_scales + 2 * (g / 2));  // a group never straddles 256 weights
+        const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                           reinterpret_cast<const __m128i*>(w + L.scales + 8 * g)))), _mm256_set1_ps(d));
+        const __m512 s8 = _mm512_castps256_ps512(s);
+        G.s_lo = _mm512_permutexvar_ps(_mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0), s8);
+        G.s_hi = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1), s8);
+    } else {
+        uint32_t sc, mc;
+        std::memcpy(&sc, w + L.scales + 4 * g, 4), std::memcpy(&mc, w + L.mins + 4 * g, 4);
+        const float d = fp16(w + L.super_scales + 2 * (g / 2)), dmin = fp16(w + L.super_mins + 2 * (g / 2));
+        G.s_lo = G.s_hi = spread(_mm_mul_ps(_mm_set1_ps(d), _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(sc))))));
+        G.min = _mm_mul_ps(_mm_set1_ps(-dmin), _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(mc)))));
+    }
+    return G;
+}
+
+// Sums of the lanes of four vectors, as the first four floats of one (plus the min sums' four).
+inline __m128 reduce4(const __m512 v[4], const __m128 min[4]) {
+    __m256 h[4];
+    for (int i = 0; i < 4; ++i) h[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    __m128 m0 = min[0], m1 = min[1], m2 = min[2], m3 = min[3];
+    _MM_TRANSPOSE4_PS(m0, m1, m2, m3);
+    const __m128 m = _mm_add_ps(_mm_add_ps(m0, m1), _mm_add_ps(m2, m3));
+    return _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)), m);
+}
+
+// One vector's sum in reduce4's order, so that a row's result never depends on the rows computed beside it.
+inline float reduce(__m512 v, __m128 min) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h, h), _mm256_hadd_ps(h, h));
+    const __m128 m = _mm_hadd_ps(min, min);
+    return _mm_cvtss_f32(_mm_add_ss(_mm_add_ss(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)), _mm_add_ss(m, _mm_movehdup_ps(m))));
+}
+
+// C weight rows (from w, row_bytes apart) against R activation rows: out[r * ldo + c].
+template <int TYPE, int R, int C>
+void tile(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, float* out, int64_t ldo) {
+    constexpr Info t = info(TYPE);
+    __m512 acc[R][C];
+    __m128 acc_min[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps(), acc_min[r][c] = _mm_setzero_ps();
+    for (int64_t g = 0; g < L.groups; ++g) {
+        Group G[C];
+        for (int c = 0; c < C; ++c) G[c] = load_group<TYPE>(w + c * L.row_bytes, L, g);
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = (r0 + r) * a.groups + g;
+            const __m512i xa = _mm512_loadu_si512(a.xa + 64 * i), xb = _mm512_loadu_si512(a.xb + 64 * i);
+            const __m512 xs = _mm512_loadu_ps(a.xs + 16 * i);
+            const __m512i corr = _mm512_loadu_si512(a.corr + 16 * i);
+            for (int c = 0; c < C; ++c) {
+                if constexpr (t.per16) {
+                    const __m512i dl = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), G[c].lo, xa), corr);
+                    const __m512i dh = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), G[c].hi, xb),
+                                                        _mm512_loadu_si512(a.corr_b + 16 * i));
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dl), _mm512_mul_ps(G[c].s_lo, xs), acc[r][c]);
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dh), _mm512_mul_ps(G[c].s_hi, xs), acc[r][c]);
+                } else {
+                    __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), G[c].lo, xa), G[c].hi, xb);
+                    if constexpr (t.offset != 0) d = _mm512_sub_epi32(d, corr);
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(G[c].s_lo, xs), acc[r][c]);
+                }
+                if constexpr (t.min) acc_min[r][c] = _mm_fmadd_ps(G[c].min, _mm_loadu_ps(a.xsum + 4 * i), acc_min[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        if constexpr (C == 4) {
+            _mm_storeu_ps(out + r * ldo, reduce4(acc[r], acc_min[r]));
+        } else {
+            for (int c = 0; c < C; ++c) out[r * ldo + c] = reduce(acc[r][c], acc_min[r][c]);
+        }
+    }
+}
+
+// Ask for the cache lines of [begin, end) ahead of their use: the rows are read once, straight from memory.
+#ifndef AHEAD
+#define AHEAD 16
+#endif
+inline void prefetch(const uint8_t* begin, const uint8_t* end) {
+    for (const uint8_t* p = begin; p < end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
+// R activation rows against the weight rows [n0, n1): four weight rows a pass for a single activation row.
+template <int TYPE, int R>
+void rows(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, int64_t n0, int64_t n1, float* out, int64_t N) {
+    int64_t n = n0;
+    if constexpr (R == 1)
+        for (; n + 4 <= n1; n += 4) {
+            prefetch(w + (n + AHEAD) * L.row_bytes, w + (n + AHEAD + 4 < n1 ? n + AHEAD + 4 : n1) * L.row_bytes);
+            tile<TYPE, 1, 4>(w + n * L.row_bytes, L, a, r0, out + r0 * N + n, N);
+        }
+    for (; n < n1; ++n) tile<TYPE, R, 1>(w + n * L.row_bytes, L, a, r0, out + r0 * N + n, N);
+}
+
+template <int TYPE>
+void matmul_rows(const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1, float* out, int64_t N) {
+    for (int64_t r = 0; r < M; r += 8) {
+        switch (M - r < 8 ? M - r : 8) {
+            case 8: rows<TYPE, 8>(w, L, a, r, n0, n1, out, N); break;
+            case 7: rows<TYPE, 7>(w, L, a, r, n0, n1, out, N); break;
+            case 6: rows<TYPE, 6>(w, L, a, r, n0, n1, out, N); break;
+            case 5: rows<TYPE, 5>(w, L, a, r, n0, n1, out, N); break;
+            case 4: rows<TYPE, 4>(w, L, a, r, n0, n1, out, N); break;
+            case 3: rows<TYPE, 3>(w, L, a, r, n0, n1, out, N); break;
+            case 2: rows<TYPE, 2>(w, L, a, r, n0, n1, out, N); break;
+            default: rows<TYPE, 1>(w, L, a, r, n0, n1, out, N); break;
+        }
+    }
+}
+
+}  // namespace
+
+void matmul_rows_avx512(int type, const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1,
+                        float* out, int64_t N) {
+    switch (type) {
+        case Q4_0: return matmul_rows<Q4_0>(a, w, L, M, n0, n1, out, N);
+        case Q4_1: return matmul_rows<Q4_1>(a, w, L, M, n0, n1, out, N);
+        case Q5_0: return matmul_rows<Q5_0>(a, w, L, M, n0, n1, out, N);
+        case Q5_1: return matmul_rows<Q5_1>(a, w, L, M, n0, n1, out, N);
+        case Q8_0: return matmul_rows<Q8_0>(a, w, L, M, n0, n1, out, N);
+        case Q4_K: return matmul_rows<Q4_K>(a, w, L, M, n0, n1, out, N);
+        case Q5_K: return matmul_rows<Q5_K>(a, w, L, M, n0, n1, out, N);
+        default: return matmul_rows<Q6_K>(a, w, L, M, n0, n1, out, N);
+    }
+}
+
+#pragma GCC pop_options
+
+}  // namespace kvq

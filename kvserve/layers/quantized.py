@@ -1,0 +1,100 @@
+"""Weights that stay in their GGUF file's quantized format, in memory as on disk.
+
+A GGUF tensor arrives as its file's rows of blocks (`GGUFTensor`). Where kvserve.kernels run, a tensor of a
+type they read becomes a `QuantizedWeight`: the same bits, repacked into the layout the kernels want (about
+the file's size). Few-row matmuls (decode steps) multiply it directly; prefill dequantizes a tile of rows at a
+time into a small buffer for the GEMM; an embedding dequantizes the rows it looks up. Elsewhere (CUDA, plain
+torch, a type without a kernel) the tensor is dequantized once at load, by the gguf package.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.kernels import native_ops
+
+# The GGUF types kvserve.kernels multiply in place (ggml type ids).
+KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+TILE_BYTES = 4 << 20  # prefill dequantizes this much of a weight at a time (cache-sized, reused buffer-sized)
+
+
+@dataclass(slots=True)
+class GGUFTensor:
+    """A 2-D tensor as a GGUF file stores it: `data` holds its rows of quantized blocks [rows, bytes]."""
+
+    data: torch.Tensor
+    qtype: str
+    shape: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        """Its values as float32, by the gguf package."""
+        import gguf
+
+        values = gguf.quants.dequantize(self.data.numpy(), gguf.GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
+
+
+class QuantizedWeight:
+    """A weight [out_features, in_features] in the kernels' layout, as parts of consecutive rows, each of one
+    GGUF type (a fused projection whose parts the file stores in different types keeps one part each)."""
+
+    def __init__(self, parts: list[tuple[str, torch.Tensor]], in_features: int):
+        self.parts = parts  # (type name, packed rows [rows, packed bytes])
+        self.in_features = in_features
+        self.out_features = sum(rows.shape[0] for _, rows in parts)
+
+    @classmethod
+    def pack(cls, tensor: GGUFTensor) -> QuantizedWeight:
+        return cls([(tensor.qtype, native_ops().gguf_pack(tensor.data, KERNEL_TYPES[tensor.qtype]))], tensor.shape[1])
+
+    @classmethod
+    def cat(cls, weights: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of several weights of equal width, one after another; neighbouring parts of a type merge."""
+        parts: list[tuple[str, torch.Tensor]] = []
+        for qtype, rows in (part for w in weights for part in w.parts):
+            if parts and parts[-1][0] == qtype:
+                parts[-1] = (qtype, torch.cat([parts[-1][1], rows]))
+            else:
+                parts.append((qtype, rows))
+        return cls(parts, weights[0].in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(rows.nbytes for _, rows in self.parts)
+
+    @property
+    def types(self) -> list[str]:
+        return [qtype for qtype, _ in self.parts]
+
+    def matmul(self, x: torch.Tensor, int8_activations: bool) -> torch.Tensor:
+        """x [M, in] fp32 @ W.T, the kernels reading the packed rows (int8_activations: x quantized per 32 values)."""
+        outs = [native_ops().gguf_matmul(x, rows, KERNEL_TYPES[qtype], int8_activations) for qtype, rows in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def tiles(self, dtype: torch.dtype):
+        """(first row, dequantized rows [n, in]) for all rows, a few MB at a time."""
+        start, elements = 0, max(1, TILE_BYTES // (self.in_features * torch.finfo(dtype).bits // 8))
+        for qtype, rows in self.parts:
+            for first in range(0, rows.shape[0], elements):
+                tile = native_ops().gguf_dequantize(rows[first:first + elements], KERNEL_TYPES[qtype], self.in_features, dtype)
+                yield start + first, tile
+            start += rows.shape[0]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([tile for _, tile in self.tiles(dtype)])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` as float32 [len(ids), in] (an embedding lookup)."""
+        (qtype, rows), = self.parts
+        return native_ops().gguf_dequantize(rows.index_select(0, ids.flatten()), KERNEL_TYPES[qtype], self.in_features,
+                                            torch.float32).view(*ids.shape, self.in_features)
+
+
+def load_tensor(tensor: GGUFTensor, packed: bool) -> QuantizedWeight | torch.Tensor:
+    """A GGUF tensor as the engine keeps it: packed for the kernels where asked and its type has one, else
+    dequantized to float32."""
+    if packed and tensor.qtype in KERNEL_TYPES and native_ops() is not None:
+        return QuantizedWeight.pack(tensor)
+    return tensor.dequantize()
