@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from kvserve import LLM
+from kvserve.layers.linear import Linear
+from kvserve.models.loader import transformers_model
 from kvserve.models.registry import resolve_model_path
 from tests.conftest import FP32, greedy
 
@@ -15,11 +17,21 @@ def gemma3() -> LLM:
     return LLM("gemma3-270m", kv_cache_memory="256MiB", **FP32)
 
 
-def test_greedy_matches_transformers_from_gguf(gemma3):
-    from transformers import AutoModelForCausalLM
+def test_its_q4_k_m_weights_stay_packed(gemma3):
+    """Q5_0 q/k/gate/up, Q8_0 v and the tied embedding, Q4_K and Q6_K o/down: every linear layer reads its file's own
+    types (a fused q/k/v keeps a part per type), and the weights hold about the file's size."""
+    model = gemma3.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.qweight is not None and m.weight is None for m in layers)
+    assert model.layers[0].self_attn.qkv_proj.qweight.types == ["Q5_0", "Q8_0"]
+    assert {t for m in layers for t in m.qweight.types} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    assert model.lm_head.qweight is model.embed_tokens.qweight
+    size = resolve_model_path("gemma3-270m").stat().st_size
+    assert 0.97 * size < model.weight_bytes() < 1.03 * size
 
-    path = resolve_model_path("gemma3-270m")
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+def test_greedy_matches_transformers_from_gguf(gemma3):
+    hf = transformers_model(resolve_model_path("gemma3-270m")).eval()
     chat = gemma3.apply_chat_template([{"role": "user", "content": "Name three colors."}])
     assert chat.startswith("<bos><start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n")
     prompts = [gemma3.engine.tokenize(p) for p in ("The capital of France is", "def fibonacci(n):")]

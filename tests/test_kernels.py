@@ -10,9 +10,6 @@ import torch.nn.functional as F
 
 from kvserve import LLM
 from kvserve.kernels import native_ops
-from kvserve.layers.linear import Linear
-from kvserve.layers.quantized import GGUFTensor, QuantizedWeight
-from kvserve.models.registry import resolve_model_path
 from tests.conftest import FP32, greedy
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
@@ -111,59 +108,12 @@ def test_kernel_isa_can_be_forced():
         native_ops().set_kernel_isa("sse")
 
 
-def test_quantized_linear_uses_the_kernels_for_few_rows_and_tiles_for_many(monkeypatch):
-    from kvserve.layers import quantized
-
-    monkeypatch.setattr(quantized, "TILE_BYTES", 8 * 64 * 4)  # tiles of 8 rows: the GEMM runs over several
-    blocks = random_blocks(T.Q4_1, 20, 64)
-    layer = Linear(64, 20, bias=True)
-    layer.use_quantized(QuantizedWeight.pack(GGUFTensor(torch.from_numpy(blocks), "Q4_1", (20, 64))))
-    assert layer.weight is None
-    values = torch.from_numpy(gguf.quants.dequantize(blocks, T.Q4_1).astype(np.float32))
-    for rows in (2, 40, 300):
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(layer(x), x @ values.T + layer.bias, rtol=1e-5, atol=1e-4)
-
-
-def test_quantized_weight_parts_of_different_types_concatenate():
-    """A fused projection whose parts the file stores in different types (Gemma 3's q/k Q5_0 and v Q8_0)."""
-    parts = [(T.Q5_0, 24), (T.Q5_0, 8), (T.Q8_0, 8)]
-    blocks = [random_blocks(t, n, 64, seed=i) for i, (t, n) in enumerate(parts)]
-    weight = QuantizedWeight.cat([QuantizedWeight.pack(GGUFTensor(torch.from_numpy(b), t.name, (n, 64)))
-                                  for b, (t, n) in zip(blocks, parts)])
-    assert weight.types == ["Q5_0", "Q8_0"] and weight.out_features == 40
-    values = torch.cat([torch.from_numpy(gguf.quants.dequantize(b, t).astype(np.float32)) for b, (t, _) in zip(blocks, parts)])
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(weight.matmul(x, False), x @ values.T, rtol=1e-5, atol=1e-4)
-    assert torch.equal(weight.dequantize(), values)
-    ids = torch.tensor([[3, 0], [39, 3]])
-    with pytest.raises(ValueError):  # an embedding is one type
-        weight.rows(ids)
-
-
 def test_unsupported_type_and_mismatched_rows_are_clear_errors():
     with pytest.raises(RuntimeError, match="GGUF type 10 has no kvserve kernel"):
         native_ops().gguf_pack(torch.zeros(4, 84, dtype=torch.uint8), 10)  # Q2_K
     w, _ = packed(T.Q4_1, 4, 64)
     with pytest.raises(RuntimeError, match="expected packed rows of 20 bytes"):
         native_ops().gguf_matmul(torch.randn(1, 32), w, int(T.Q4_1))
-
-
-def test_smollm2_keeps_its_gguf_weights_packed(smollm2):
-    model = smollm2.engine.runner.model
-    quantized = [m for m in model.modules() if getattr(m, "qweight", None) is not None]
-    assert len(quantized) == 122 and all(m.weight is None for m in quantized)  # 30 x 4 linears, the embedding, the tied head
-    assert model.lm_head.qweight is model.embed_tokens.qweight and model.lm_head.qweight.types == ["Q8_0"]
-    size = resolve_model_path("smollm2-135m").stat().st_size
-    assert 0.95 * size < model.weight_bytes() < 1.02 * size
-
-
-def test_smollm2_decodes_the_same_with_packed_and_dequantized_weights(smollm2):
-    plain = LLM("smollm2-135m", native_kernels=False, kv_cache_memory="64MiB", **FP32)
-    assert not any(getattr(m, "qweight", None) is not None for m in plain.engine.runner.model.modules())
-    prompts = ["The three primary colors are", "def fibonacci(n):"]
-    assert [o.outputs[0].token_ids for o in smollm2.generate(prompts, greedy(24), use_tqdm=False)] == \
-        [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(24), use_tqdm=False)]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])

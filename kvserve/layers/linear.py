@@ -28,6 +28,9 @@ class Linear(nn.Linear):
     int8_activations = False  # the kernels multiply activations quantized to int8 per 32 values (llama.cpp's way)
     gemm_dtype = torch.float32  # what a quantized weight's tiles are dequantized to for many-row steps
 
+    def reset_parameters(self) -> None:
+        """Weights come from the checkpoint: random init would only cost time (and, on the meta device, import torch._dynamo)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)
         return y if self.bias is None else y + self.bias
@@ -60,6 +63,9 @@ class Embedding(nn.Embedding):
     """Token embeddings, dense or quantized (only the rows looked up are dequantized)."""
 
     qweight: QuantizedWeight | None = None
+
+    def reset_parameters(self) -> None:
+        """Weights come from the checkpoint."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight.rows(ids) if self.qweight is not None else super().forward(ids)

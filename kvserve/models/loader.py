@@ -47,7 +47,10 @@ def load_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor | GGUFTensor]
             quantized = json.loads((f.metadata() or {}).get(TYPES_KEY, "{}"))  # name -> [type, rows, columns]
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                weights[name] = GGUFTensor(tensor, quantized[name][0], tuple(quantized[name][1:])) if name in quantized else tensor
+                if name in quantized:
+                    weights[name] = GGUFTensor(tensor, quantized[name][0], tuple(quantized[name][1:]))
+                else:  # a GGUF's few float tensors leave the file's mapping, which closes once the blocks are packed
+                    weights[name] = tensor.clone() if quantized else tensor
     return weights
 
 
