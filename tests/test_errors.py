@@ -73,9 +73,11 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
      "kivi_residual must be a multiple of the block size (16), got 100"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
+    """One error line, no traceback (an error found after loading follows the startup line)."""
     assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and err.startswith("kvserve: error:") and "\n" not in err
+    *before, err = capsys.readouterr().err.strip().splitlines()
+    assert message in err and err.startswith("kvserve: error:")
+    assert len(before) <= 1 and all(line.startswith("kvserve: smollm2-135m loaded in") for line in before)
 
 
 STATS = re.compile(r"\[(\d+) prompt tokens: (\d+) prefilled, (\d+) from cache \| (\d+) generated \| TTFT (\d+) ms \| "
@@ -93,6 +95,9 @@ def test_cli_generate_streams_and_reports(capsys, smollm2):
     assert int(ttft) > 0 and float(rate) > 0
     per_token = smollm2.engine.layout.bytes_per_token  # the last token sampled has no K/V yet
     assert float(kv) == pytest.approx((n + 8 - 1) * per_token / 2**20, abs=0.006)
+    weights = re.search(r"kvserve: smollm2-135m loaded in [\d.]+ s: weights (\d+) MiB \(Q4_1, Q8_0 packed; float32\); "
+                        r"KV pool 1024 MiB", captured.err)  # the startup line: what the weights really hold
+    assert int(weights.group(1)) == round(smollm2.engine.runner.model.weight_bytes() / 2**20)
 
 
 def test_cli_scheduler_and_penalty_flags(capsys):

@@ -13,7 +13,7 @@ import torch
 from kvserve import LLM
 from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear
-from kvserve.layers.quantized import GGUFTensor, QuantizedWeight
+from kvserve.layers.quantized import GGUFTensor, QuantizedWeight, packed_row_bytes
 from kvserve.models.registry import resolve_model_path
 from tests.conftest import FP32, greedy
 from tests.test_kernels import T, random_blocks
@@ -66,6 +66,21 @@ def test_smollm2_decodes_the_same_with_packed_and_dequantized_weights(smollm2):
     prompts = ["The three primary colors are", "def fibonacci(n):"]
     assert [o.outputs[0].token_ids for o in smollm2.generate(prompts, greedy(24), use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(24), use_tqdm=False)]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_packed_row_bytes_are_the_kernels(qtype):
+    """The planner's figure for a packed row (no kernels needed) equals the rows the kernels pack."""
+    for cols in ((32, 96, 160, 576, 1536) if gguf.constants.GGML_QUANT_SIZES[T[qtype]][0] == 32 else (256, 768, 2048)):
+        assert native_ops().gguf_pack(torch.from_numpy(random_blocks(T[qtype], 2, cols)), int(T[qtype])).shape[1] == \
+            packed_row_bytes(qtype, cols)
+
+
+def test_memory_planner_counts_the_weights_kvserve_holds(smollm2):
+    """kvserve memory reads a GGUF's tensors: its weight bytes are those the loaded model holds, not parameters x 16 bits."""
+    from kvserve.memory import load_spec
+
+    assert load_spec("smollm2-135m").weight_bytes == smollm2.engine.runner.model.weight_bytes()
 
 
 RSS = """

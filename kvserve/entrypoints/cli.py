@@ -6,6 +6,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from kvserve.config import EngineConfig
@@ -112,21 +113,29 @@ def stream_answer(llm, prompt: str, params: SamplingParams, add_special_tokens: 
     return out
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
+def load_llm(args: argparse.Namespace):
+    """The engine, with one line on stderr saying what it holds: the weights' bytes and formats, the KV pool."""
     from kvserve.entrypoints.llm import LLM
 
-    params = sampling_params(args)
+    started = time.perf_counter()
     llm = LLM.from_config(engine_config(args))
+    engine = llm.engine
+    print(f"kvserve: {args.model} loaded in {time.perf_counter() - started:.1f} s: {engine.runner.model.describe_weights()}; "
+          f"KV pool {engine.kv_usage()['total_bytes'] / 2**20:.0f} MiB ({engine.layout.describe()})", file=sys.stderr)
+    return llm
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    params = sampling_params(args)
+    llm = load_llm(args)
     out = stream_answer(llm, args.prompt, params, add_special_tokens=True)
     print(stats_line(out), file=sys.stderr)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
     """Multi-turn chat; earlier turns stay in the prefix cache, so each turn prefills only what is new."""
-    from kvserve.entrypoints.llm import LLM
-
     params = sampling_params(args)
-    llm = LLM.from_config(engine_config(args))
+    llm = load_llm(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     turns = iter(args.message) if args.message else _read_turns()
     for text in turns:
@@ -163,8 +172,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     app = create_app(engine, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting)
     usage = engine.kv_usage()
     draft = f"; the draft's own pool {usage['draft']['total_bytes'] / 2**20:.0f} MiB" if "draft" in usage else ""
-    print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} (KV pool {usage['total_bytes'] / 2**20:.0f} MiB, "
-          f"{engine.kv_manager.num_blocks} blocks; {engine.layout.describe()}{draft})", file=sys.stderr)
+    print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} ({engine.runner.model.describe_weights()}; KV pool "
+          f"{usage['total_bytes'] / 2**20:.0f} MiB, {engine.kv_manager.num_blocks} blocks; {engine.layout.describe()}{draft})", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     engine_loop = app.state.server.async_engine
 

@@ -20,6 +20,26 @@ KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 1
 TILE_BYTES = 4 << 20  # prefill dequantizes this much of a weight at a time (cache-sized, reused buffer-sized)
 
 
+def packed_row_bytes(qtype: str, cols: int) -> int:
+    """Bytes of one row of `cols` weights in the kernels' layout (kernels/quants.h: layout), without building it."""
+    bits, kquant, per16, has_min = {"Q4_0": (4, 0, 0, 0), "Q4_1": (4, 0, 0, 1), "Q5_0": (5, 0, 0, 0), "Q5_1": (5, 0, 0, 1),
+                                    "Q8_0": (8, 0, 0, 0), "Q4_K": (4, 1, 0, 1), "Q5_K": (5, 1, 0, 1), "Q6_K": (6, 1, 1, 0)}[qtype]
+    units, groups, supers = cols // 32, -(-cols // 128), cols // 256
+    high_planes = {5: 1, 6: 2}.get(bits, 0)
+    scales = (2 if per16 else 1) * units + 2 * supers if kquant else 2 * units
+    mins = (units + 2 * supers if kquant else 2 * units) if has_min else 0
+    return (32 if bits == 8 else 16) * units + 16 * groups * high_planes + scales + mins
+
+
+def resident_bytes(qtype: str, shape: tuple[int, ...]) -> int:
+    """What a GGUF tensor of this type holds once loaded on a CPU with kvserve.kernels: packed if a kernel reads its
+    type, else dequantized to float32."""
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    return rows * packed_row_bytes(qtype, shape[-1]) if qtype in KERNEL_TYPES else 4 * rows * shape[-1]
+
+
 @dataclass(slots=True)
 class GGUFTensor:
     """A 2-D tensor as a GGUF file stores it: `data` holds its rows of quantized blocks [rows, bytes]."""

@@ -97,9 +97,10 @@ class Phase:
         return max(self.flops / device.flops, self.bytes / device.bandwidth)
 
 
-def roofline(spec: ModelSpec, batch: int, context: int, dtype: str = "bf16", weight_bits: int = 16) -> tuple[Phase, Phase]:
+def roofline(spec: ModelSpec, batch: int, context: int, dtype: str = "bf16", weight_bits: int = 16,
+             weight_bytes: int | None = None) -> tuple[Phase, Phase]:
     """Prefill of `batch` prompts of `context` tokens, and one decode step of `batch` sequences at `context`."""
-    weights = spec.active_params() * weight_bits / 8
+    weights = weight_bytes if weight_bytes is not None else spec.active_params() * weight_bits / 8
     attn_width = spec.num_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim if spec.is_mla else spec.head_dim)
     matmul = 2 * spec.active_params()
     prefill_attention = 2 * spec.num_layers * batch * context * context * attn_width  # QK^T and PV, causal half

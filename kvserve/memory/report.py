@@ -43,7 +43,8 @@ def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
     kv = {name: {"bytes_per_token": kv_bytes_per_token(spec, name),
                  "total_bytes": {c: {b: kv_bytes(spec, c, b, name) for b in req.batches} for c in req.contexts}}
           for name in req.dtypes}
-    cap = {name: capacity(spec, memory, req.contexts, name, req.weight_bytes, req.weight_bits, req.utilization)
+    weight_bytes = req.weight_bytes if req.weight_bytes is not None else spec.weight_bytes
+    cap = {name: capacity(spec, memory, req.contexts, name, weight_bytes, req.weight_bits, req.utilization)
            for name in req.dtypes}
     first = cap[req.dtypes[0]]
     policies = {}
@@ -55,13 +56,13 @@ def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
         policies[str(layout.merge or policy)] = {"held_tokens": held, "bytes_per_request": per_request,
                                  "max_requests": {c: max(0, int(first.kv_budget // b)) for c, b in per_request.items()}}
     batch, context = req.batches[-1], req.contexts[0]
-    prefill, decode = roofline(spec, batch, context, req.dtypes[0], req.weight_bits)
+    prefill, decode = roofline(spec, batch, context, req.dtypes[0], req.weight_bits, weight_bytes)
     return {
         "model": {"name": spec.name, "attention": spec.attention_kind, "layers": spec.num_layers, "heads": spec.num_heads,
                   "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "kv_lora_rank": spec.kv_lora_rank,
                   "qk_rope_head_dim": spec.qk_rope_head_dim, "sliding_window": spec.sliding_window,
                   "local_layers": sum(spec.window_of(i) is not None for i in range(spec.num_layers)),
-                  "params": spec.num_params()},
+                  "params": spec.num_params(), "weight_source": "gguf" if spec.weight_bytes is not None else "parameters"},
         "mha_factor": mha_factor(spec),
         "unsupported_dtypes": unsupported,
         "kv": kv,
@@ -100,8 +101,9 @@ def render(report: dict) -> None:
         table.add_row(name, _per_token(row["bytes_per_token"]), *cells)
     console.print(table)
     cap = report["capacity"]
-    table = Table(title=f"Capacity: {cap['memory_bytes'] / GiB:,.1f} GiB x {cap['utilization']:.0%}, "
-                        f"weights {cap['weight_bytes'] / GiB:,.1f} GiB")
+    table = Table(title=f"Capacity: {cap['memory_bytes'] / GiB:,.1f} GiB x {cap['utilization']:.0%}, weights "
+                        f"{cap['weight_bytes'] / GiB:,.2f} GiB" + (" (the GGUF file's tensors as kvserve holds them)"
+                                                                   if report["model"]["weight_source"] == "gguf" else ""))
     table.add_column("dtype")
     table.add_column("KV budget", justify="right")
     for c in contexts:

@@ -3,10 +3,11 @@ model or a named preset."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvserve.errors import KVServeError
+from kvserve.layers.quantized import resident_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,7 @@ class ModelSpec:
     num_shared_experts: int = 0
     moe_intermediate_size: int = 0
     num_dense_layers: int = 0
+    weight_bytes: int | None = None  # what the weights hold in memory where the source says (a GGUF's tensors as loaded)
 
     @property
     def is_mla(self) -> bool:
@@ -139,7 +141,7 @@ def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
         raise KVServeError(f"config of {name} lacks a field the planner needs: {e}") from e
 
 
-def spec_from_gguf(path: Path) -> ModelSpec:
+def spec_from_gguf(path: Path, name: str | None = None) -> ModelSpec:
     import gguf
 
     try:
@@ -172,7 +174,8 @@ def spec_from_gguf(path: Path) -> ModelSpec:
         cfg["model_type"] = "gemma3_text"
     if not cfg["kv_lora_rank"]:
         cfg["qk_rope_head_dim"] = None
-    return spec_from_hf_config(cfg, path.name)
+    weights = sum(resident_bytes(t.tensor_type.name, tuple(int(n) for n in reversed(t.shape))) for t in reader.tensors)
+    return replace(spec_from_hf_config(cfg, name or path.name), weight_bytes=weights)
 
 
 def _llama(layers, hidden, heads, kv_heads, inter, vocab, ctx, tie=False) -> dict:
@@ -200,12 +203,21 @@ PRESETS: dict[str, dict] = {
 
 
 def load_spec(source: str) -> ModelSpec:
-    """A preset name, a built-in model, a config.json, a model directory or a GGUF file -> ModelSpec."""
+    """A preset name, a built-in model, a config.json, a model directory or a GGUF file -> ModelSpec. A built-in
+    model is read from its GGUF file where its package is installed (its weights' bytes are then known), else from
+    its preset."""
+    from kvserve.errors import ModelNotFoundError
     from kvserve.models.registry import BUILTIN_MODELS, resolve_model_path
 
+    if source in BUILTIN_MODELS:
+        try:
+            return spec_from_gguf(resolve_model_path(source), source)
+        except ModelNotFoundError:
+            if source not in PRESETS:
+                raise
     if source in PRESETS:
         return spec_from_hf_config(PRESETS[source], source)
-    path = resolve_model_path(source) if source in BUILTIN_MODELS else Path(source).expanduser()
+    path = Path(source).expanduser()
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".gguf" and path.is_file():

@@ -69,9 +69,17 @@ class CausalLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold in memory (shared ones once)."""
-        tensors = list(self.parameters()) + [rows for m in self.modules() if getattr(m, "qweight", None) is not None
-                                             for _, rows in m.qweight.parts]
+        tensors = list(self.parameters()) + [rows for w in self.quantized_weights() for _, rows in w.parts]
         return sum({t.data_ptr(): t.nbytes for t in tensors}.values())
+
+    def quantized_weights(self) -> list[QuantizedWeight]:
+        return list({id(m.qweight): m.qweight for m in self.modules() if getattr(m, "qweight", None) is not None}.values())
+
+    def describe_weights(self) -> str:
+        """How much the weights hold and in which formats, e.g. 'weights 92 MiB (Q4_1, Q8_0 packed; float32)'."""
+        packed = sorted({t for w in self.quantized_weights() for t in w.types})
+        dense = sorted({str(p.dtype).removeprefix("torch.") for p in self.parameters()})
+        return f"weights {self.weight_bytes() / 2**20:.0f} MiB ({', '.join(packed) + ' packed; ' if packed else ''}{', '.join(dense)})"
 
     def use_bf16_matmuls(self) -> None:
         """Every linear layer multiplies in bf16: a dense weight is kept in bf16 (the LM head untied from the
