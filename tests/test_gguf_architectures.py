@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvserve import LLM
+from kvserve.kernels import native_ops
 from kvserve.models.gguf_convert import _GEMMA3_NAMES, _GLOBAL_NAMES, _LAYER_NAMES
 from tests.conftest import FP32, save_tiny
 
@@ -24,7 +25,8 @@ CASES = {
 }
 
 
-def write_gguf(path, arch: str, hf) -> None:
+def write_gguf(path, arch: str, hf, qtype: str = "F32") -> None:
+    """qtype: the type of every 2-D weight (see round_weights)."""
     import gguf
 
     cfg = hf.config
@@ -56,8 +58,11 @@ def write_gguf(path, arch: str, hf) -> None:
             array = array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(array.shape)
         if arch == "gemma3" and "norm" in name:
             array = array + 1
+        if qtype != "F32" and array.ndim == 2:
+            array = gguf.quants.quantize(array, gguf.GGMLQuantizationType[qtype])
         if gguf_name != "output.weight" or not cfg.tie_word_embeddings:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array), raw_dtype=None if qtype == "F32" or array.dtype != np.uint8
+                              else gguf.GGMLQuantizationType[qtype])
     if arch == "llama":  # llama.cpp's converter writes the llama3 scaling as one divisor per frequency
         default = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
         writer.add_tensor("rope_freqs.weight", (default / hf.model.rotary_emb.inv_freq).numpy().astype(np.float32))
@@ -67,14 +72,35 @@ def write_gguf(path, arch: str, hf) -> None:
     writer.close()
 
 
+def round_weights(hf, qtype: str) -> None:
+    """Every 2-D weight of the transformers model set to the values its blocks of `qtype` hold (quantizing them again
+    gives the same blocks: the file then holds exactly these values)."""
+    import gguf
+
+    t = gguf.GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for tensor in hf.state_dict().values():
+            if tensor.dim() == 2:
+                tensor.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(tensor.float().numpy(), t), t)))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q5_0"])
 @pytest.mark.parametrize("case", CASES)
-def test_gguf_file_loads_with_the_transformers_logits(tmp_path, monkeypatch, case):
+def test_gguf_file_loads_with_the_transformers_logits(tmp_path, monkeypatch, case, qtype):
+    """Float files, and files of quantized weights (packed for the kernels; decode steps of plain Llama and Qwen2
+    layers run as the fused layer ops, Qwen3's q/k norms and Gemma's layers as modules)."""
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     arch, model_type, overrides = CASES[case]
     hf = save_tiny(tmp_path / "hf", model_type, **overrides)
-    write_gguf(tmp_path / "tiny.gguf", arch, hf)
+    if qtype != "F32":
+        round_weights(hf, qtype)
+    write_gguf(tmp_path / "tiny.gguf", arch, hf, qtype)
     llm = LLM(str(tmp_path / "tiny.gguf"), kv_cache_memory="4MiB", block_size=4, **FP32)
     assert llm.engine.checkpoint.config.model_type == model_type
+    if qtype != "F32" and native_ops() is not None:
+        model = llm.engine.runner.model
+        assert model.embed_tokens.qweight.types == [qtype]
+        assert sum(getattr(layer, "fused", None) is not None for layer in model.layers) == (len(model.layers) if case in ("llama-3.1-rope-freqs", "qwen2") else 0)
     prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     out = llm.generate([prompt], _greedy_with_logprobs(8), use_tqdm=False)[0].outputs[0]
     with torch.no_grad():

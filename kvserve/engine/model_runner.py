@@ -60,6 +60,7 @@ class ModelRunner:
                 self.model.use_native_kernels(int8_activations=config.matmul_dtype != "float32")
             if config.bf16_matmuls:
                 self.model.use_bf16_matmuls()
+            self.model.fuse_decode_layers()
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
         self.windows = [g.spec.window for g in layout.groups]  # per KV group: its sliding window, or None
         self.sdpa = SDPABackend(self.kv_cache)

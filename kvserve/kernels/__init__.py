@@ -2,7 +2,7 @@
 torch's cpp_extension, which caches the build.
 
 They register as torch ops under torch.ops.kvserve: gguf_pack, gguf_dequantize, gguf_matmul, kernel_isa,
-set_kernel_isa, paged_decode_attention, rms_norm, rope_, silu_and_mul.
+set_kernel_isa, decode_pre_attention, decode_post_attention, paged_decode_attention, rms_norm, rope_, silu_and_mul.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = ["quant_matmul.cpp", "quant_matmul_avx512.cpp", "paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp"]
+SOURCES = ["quant_matmul.cpp", "quant_matmul_avx512.cpp", "decode_layer.cpp", "paged_attention.cpp", "pointwise.cpp"]
 
 
 @functools.cache

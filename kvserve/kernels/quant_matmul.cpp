@@ -21,7 +21,7 @@
 namespace kvq {
 bool avx512_supported();
 void matmul_rows_avx512(int type, const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1,
-                        float* out, int64_t N);
+                        float* out, int64_t ldo);
 }  // namespace kvq
 
 namespace {
@@ -135,18 +135,39 @@ inline void store8(at::BFloat16* out, __m256 v) {  // round to nearest even, as 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
 }
 
-// The unit's 32 values as fp32: s * (c - o), plus m where the type has one (the gguf package's arithmetic:
-// a multiply, then an add, never fused, so the values are bit for bit the package's).
+// A row's values as fp32 or bf16: s * (c - o), plus m where the type has one (the gguf package's arithmetic: a
+// multiply, then an add, never fused, so the values are bit for bit the package's).
+template <int TYPE, typename T>
+void dequantize_row(const uint8_t* row, const Layout& L, T* out) {
+    constexpr bool min = info(TYPE).min;
+    for (int64_t u = 0; u < L.units; ++u) {
+        const __m256i v = unit_values(TYPE, row, L, u);
+        const UnitScale s = unit_scale(TYPE, row, L, u);
+        const __m128i halves[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+        for (int i = 0; i < 4; ++i) {
+            const __m128i bytes = i % 2 ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
+            __m256 w = _mm256_mul_ps(_mm256_set1_ps(i < 2 ? s.lo : s.hi), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+            if constexpr (min) w = _mm256_add_ps(w, _mm256_set1_ps(s.min));
+            store8(out + 32 * u + 8 * i, w);
+        }
+    }
+}
+
 template <typename T>
-void dequantize_unit(int type, const uint8_t* row, const Layout& L, int64_t u, T* out) {
-    const __m256i v = unit_values(type, row, L, u);
-    const UnitScale s = unit_scale(type, row, L, u);
-    const __m128i halves[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
-    for (int i = 0; i < 4; ++i) {
-        const __m128i bytes = i % 2 ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
-        __m256 w = _mm256_mul_ps(_mm256_set1_ps(i < 2 ? s.lo : s.hi), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-        if (info(type).min) w = _mm256_add_ps(w, _mm256_set1_ps(s.min));
-        store8(out + 8 * i, w);
+void dequantize_rows(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, T* out) {
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = w + n * L.row_bytes;
+        T* o = out + n * L.K;
+        switch (type) {
+            case Q4_0: dequantize_row<Q4_0>(row, L, o); break;
+            case Q4_1: dequantize_row<Q4_1>(row, L, o); break;
+            case Q5_0: dequantize_row<Q5_0>(row, L, o); break;
+            case Q5_1: dequantize_row<Q5_1>(row, L, o); break;
+            case Q8_0: dequantize_row<Q8_0>(row, L, o); break;
+            case Q4_K: dequantize_row<Q4_K>(row, L, o); break;
+            case Q5_K: dequantize_row<Q5_K>(row, L, o); break;
+            default: dequantize_row<Q6_K>(row, L, o); break;
+        }
     }
 }
 
@@ -328,12 +349,12 @@ void rows_fp32_avx2(const uint8_t* w, const Layout& L, const float* x, const flo
 // Every weight row in [n0, n1) against all M activation rows, eight at a time (each block decoded once per eight).
 template <int TYPE, bool INT8>
 void matmul_rows_avx2(const Activations& a, const float* x, const float* xsum, const uint8_t* w, const Layout& L, int64_t M,
-                      int64_t n0, int64_t n1, float* out, int64_t N) {
+                      int64_t n0, int64_t n1, float* out, int64_t ldo) {
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = w + n * L.row_bytes;
         for (int64_t r = 0; r < M; r += 8) {
-            float* o = out + r * N + n;
-#define KVQ_ROWS(R) INT8 ? rows_int8_avx2<TYPE, R>(row, L, a, r, o, N) : rows_fp32_avx2<TYPE, R>(row, L, x, xsum, r, o, N)
+            float* o = out + r * ldo + n;
+#define KVQ_ROWS(R) INT8 ? rows_int8_avx2<TYPE, R>(row, L, a, r, o, ldo) : rows_fp32_avx2<TYPE, R>(row, L, x, xsum, r, o, ldo)
             switch (std::min<int64_t>(8, M - r)) {
                 case 8: KVQ_ROWS(8); break;
                 case 7: KVQ_ROWS(7); break;
@@ -351,16 +372,16 @@ void matmul_rows_avx2(const Activations& a, const float* x, const float* xsum, c
 
 template <bool INT8>
 void matmul_rows_avx2(int type, const Activations& a, const float* x, const float* xsum, const uint8_t* w, const Layout& L,
-                      int64_t M, int64_t n0, int64_t n1, float* out, int64_t N) {
+                      int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo) {
     switch (type) {
-        case Q4_0: return matmul_rows_avx2<Q4_0, INT8>(a, x, xsum, w, L, M, n0, n1, out, N);
-        case Q4_1: return matmul_rows_avx2<Q4_1, INT8>(a, x, xsum, w, L, M, n0, n1, out, N);
-        case Q5_0: return matmul_rows_avx2<Q5_0, INT8>(a, x, xsum, w, L, M, n0, n1, out, N);
-        case Q5_1: return matmul_rows_avx2<Q5_1, INT8>(a, x, xsum, w, L, M, n0, n1, out, N);
-        case Q8_0: return matmul_rows_avx2<Q8_0, INT8>(a, x, xsum, w, L, M, n0, n1, out, N);
-        case Q4_K: return matmul_rows_avx2<Q4_K, INT8>(a, x, xsum, w, L, M, n0, n1, out, N);
-        case Q5_K: return matmul_rows_avx2<Q5_K, INT8>(a, x, xsum, w, L, M, n0, n1, out, N);
-        default: return matmul_rows_avx2<Q6_K, INT8>(a, x, xsum, w, L, M, n0, n1, out, N);
+        case Q4_0: return matmul_rows_avx2<Q4_0, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
+        case Q4_1: return matmul_rows_avx2<Q4_1, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
+        case Q5_0: return matmul_rows_avx2<Q5_0, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
+        case Q5_1: return matmul_rows_avx2<Q5_1, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
+        case Q8_0: return matmul_rows_avx2<Q8_0, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
+        case Q4_K: return matmul_rows_avx2<Q4_K, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
+        case Q5_K: return matmul_rows_avx2<Q5_K, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
+        default: return matmul_rows_avx2<Q6_K, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
     }
 }
 
@@ -398,13 +419,35 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K, at::Sca
     at::Tensor out = at::empty({w.size(0), K}, w.options().dtype(dtype));
     const uint8_t* wp = w.data_ptr<uint8_t>();
     at::parallel_for(0, w.size(0), 16, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; ++n)
-            for (int64_t u = 0; u < L.units; ++u) {
-                if (dtype == at::kFloat) dequantize_unit(static_cast<int>(type), wp + n * L.row_bytes, L, u, out.data_ptr<float>() + n * K + 32 * u);
-                else dequantize_unit(static_cast<int>(type), wp + n * L.row_bytes, L, u, out.data_ptr<at::BFloat16>() + n * K + 32 * u);
-            }
+        if (dtype == at::kFloat) dequantize_rows(static_cast<int>(type), wp, L, begin, end, out.data_ptr<float>());
+        else dequantize_rows(static_cast<int>(type), wp, L, begin, end, out.data_ptr<at::BFloat16>());
     });
     return out;
+}
+
+// out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows (see quants.h).
+void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
+                 float* out, int64_t ldo) {
+    if (M == 0 || N == 0) return;
+    const Layout L = layout(type, K);
+    thread_local Prepared prepared;
+    thread_local std::vector<float> sums;
+    if (int8_activations) {
+        quantize_activations(type, x, M, K, prepared);
+    } else {
+        sums.assign(M * L.units, 0.0f);
+        for (int64_t i = 0; i < M * L.units; ++i)
+            for (int j = 0; j < 32; ++j) sums[i] += x[i * 32 + j];
+    }
+    // the buffers are this thread's: take their addresses here, not in the workers
+    const Activations a = prepared.view(L.groups);
+    const float* xsum = sums.data();
+    const bool avx512 = int8_activations && use_avx512;
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        if (avx512) matmul_rows_avx512(type, a, w, L, M, n0, n1, out, ldo);
+        else if (int8_activations) matmul_rows_avx2<true>(type, a, x, xsum, w, L, M, n0, n1, out, ldo);
+        else matmul_rows_avx2<false>(type, a, x, xsum, w, L, M, n0, n1, out, ldo);
+    });
 }
 
 // x [M, K] fp32 @ W.T for packed W [N, row bytes]: [M, N]. int8_activations: x quantized per 32 values first.
@@ -416,28 +459,7 @@ at::Tensor gguf_matmul(const at::Tensor& input, const at::Tensor& w, int64_t typ
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == L.row_bytes,
                 "weights do not match K=", K, ": expected packed rows of ", L.row_bytes, " bytes");
     at::Tensor out = at::empty({M, N}, x.options());
-    if (M == 0 || N == 0) return out;
-    const float* xp = x.data_ptr<float>();
-    const uint8_t* wp = w.data_ptr<uint8_t>();
-    float* op = out.data_ptr<float>();
-    thread_local Prepared prepared;
-    thread_local std::vector<float> sums;
-    if (int8_activations) {
-        quantize_activations(static_cast<int>(type), xp, M, K, prepared);
-    } else {
-        sums.assign(M * L.units, 0.0f);
-        for (int64_t i = 0; i < M * L.units; ++i)
-            for (int j = 0; j < 32; ++j) sums[i] += xp[i * 32 + j];
-    }
-    // the buffers are this thread's: take their addresses here, not in the workers
-    const Activations a = prepared.view(L.groups);
-    const float* xsum = sums.data();
-    const bool avx512 = int8_activations && use_avx512;
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        if (avx512) matmul_rows_avx512(static_cast<int>(type), a, wp, L, M, n0, n1, op, N);
-        else if (int8_activations) matmul_rows_avx2<true>(static_cast<int>(type), a, xp, xsum, wp, L, M, n0, n1, op, N);
-        else matmul_rows_avx2<false>(static_cast<int>(type), a, xp, xsum, wp, L, M, n0, n1, op, N);
-    });
+    kvq::matmul(static_cast<int>(type), x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, int8_activations, out.data_ptr<float>(), N);
     return out;
 }
 

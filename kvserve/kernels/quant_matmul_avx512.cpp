@@ -156,28 +156,28 @@ inline void prefetch(const uint8_t* begin, const uint8_t* end) {
 
 // R activation rows against the weight rows [n0, n1): four weight rows a pass for a single activation row.
 template <int TYPE, int R>
-void rows(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, int64_t n0, int64_t n1, float* out, int64_t N) {
+void rows(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, int64_t n0, int64_t n1, float* out, int64_t ldo) {
     int64_t n = n0;
     if constexpr (R == 1)
         for (; n + 4 <= n1; n += 4) {
             prefetch(w + (n + AHEAD) * L.row_bytes, w + (n + AHEAD + 4 < n1 ? n + AHEAD + 4 : n1) * L.row_bytes);
-            tile<TYPE, 1, 4>(w + n * L.row_bytes, L, a, r0, out + r0 * N + n, N);
+            tile<TYPE, 1, 4>(w + n * L.row_bytes, L, a, r0, out + r0 * ldo + n, ldo);
         }
-    for (; n < n1; ++n) tile<TYPE, R, 1>(w + n * L.row_bytes, L, a, r0, out + r0 * N + n, N);
+    for (; n < n1; ++n) tile<TYPE, R, 1>(w + n * L.row_bytes, L, a, r0, out + r0 * ldo + n, ldo);
 }
 
 template <int TYPE>
-void matmul_rows(const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1, float* out, int64_t N) {
+void matmul_rows(const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo) {
     for (int64_t r = 0; r < M; r += 8) {
         switch (M - r < 8 ? M - r : 8) {
-            case 8: rows<TYPE, 8>(w, L, a, r, n0, n1, out, N); break;
-            case 7: rows<TYPE, 7>(w, L, a, r, n0, n1, out, N); break;
-            case 6: rows<TYPE, 6>(w, L, a, r, n0, n1, out, N); break;
-            case 5: rows<TYPE, 5>(w, L, a, r, n0, n1, out, N); break;
-            case 4: rows<TYPE, 4>(w, L, a, r, n0, n1, out, N); break;
-            case 3: rows<TYPE, 3>(w, L, a, r, n0, n1, out, N); break;
-            case 2: rows<TYPE, 2>(w, L, a, r, n0, n1, out, N); break;
-            default: rows<TYPE, 1>(w, L, a, r, n0, n1, out, N); break;
+            case 8: rows<TYPE, 8>(w, L, a, r, n0, n1, out, ldo); break;
+            case 7: rows<TYPE, 7>(w, L, a, r, n0, n1, out, ldo); break;
+            case 6: rows<TYPE, 6>(w, L, a, r, n0, n1, out, ldo); break;
+            case 5: rows<TYPE, 5>(w, L, a, r, n0, n1, out, ldo); break;
+            case 4: rows<TYPE, 4>(w, L, a, r, n0, n1, out, ldo); break;
+            case 3: rows<TYPE, 3>(w, L, a, r, n0, n1, out, ldo); break;
+            case 2: rows<TYPE, 2>(w, L, a, r, n0, n1, out, ldo); break;
+            default: rows<TYPE, 1>(w, L, a, r, n0, n1, out, ldo); break;
         }
     }
 }
@@ -185,16 +185,16 @@ void matmul_rows(const Activations& a, const uint8_t* w, const Layout& L, int64_
 }  // namespace
 
 void matmul_rows_avx512(int type, const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1,
-                        float* out, int64_t N) {
+                        float* out, int64_t ldo) {
     switch (type) {
-        case Q4_0: return matmul_rows<Q4_0>(a, w, L, M, n0, n1, out, N);
-        case Q4_1: return matmul_rows<Q4_1>(a, w, L, M, n0, n1, out, N);
-        case Q5_0: return matmul_rows<Q5_0>(a, w, L, M, n0, n1, out, N);
-        case Q5_1: return matmul_rows<Q5_1>(a, w, L, M, n0, n1, out, N);
-        case Q8_0: return matmul_rows<Q8_0>(a, w, L, M, n0, n1, out, N);
-        case Q4_K: return matmul_rows<Q4_K>(a, w, L, M, n0, n1, out, N);
-        case Q5_K: return matmul_rows<Q5_K>(a, w, L, M, n0, n1, out, N);
-        default: return matmul_rows<Q6_K>(a, w, L, M, n0, n1, out, N);
+        case Q4_0: return matmul_rows<Q4_0>(a, w, L, M, n0, n1, out, ldo);
+        case Q4_1: return matmul_rows<Q4_1>(a, w, L, M, n0, n1, out, ldo);
+        case Q5_0: return matmul_rows<Q5_0>(a, w, L, M, n0, n1, out, ldo);
+        case Q5_1: return matmul_rows<Q5_1>(a, w, L, M, n0, n1, out, ldo);
+        case Q8_0: return matmul_rows<Q8_0>(a, w, L, M, n0, n1, out, ldo);
+        case Q4_K: return matmul_rows<Q4_K>(a, w, L, M, n0, n1, out, ldo);
+        case Q5_K: return matmul_rows<Q5_K>(a, w, L, M, n0, n1, out, ldo);
+        default: return matmul_rows<Q6_K>(a, w, L, M, n0, n1, out, ldo);
     }
 }
 

@@ -142,6 +142,11 @@ inline __m256i unit_values(int type, const uint8_t* row, const Layout& L, int64_
     return t.offset ? _mm256_sub_epi8(c, _mm256_set1_epi8(static_cast<char>(t.offset))) : c;
 }
 
+// out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows of `type`, with int8-quantized
+// activations or fp32 ones (quant_matmul.cpp; for the fused layer ops too).
+void matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
+            float* out, int64_t ldo);
+
 // The int8-activation kernels' view of M rows of x, prepared once a call. Each row is quantized per 32 values
 // (scale = max|x| / 127, codes round(x / scale)) and laid out per group of four units to match the weight
 // codes: xa holds each unit's first 16 codes, xb its last 16 (byte 16p + j of a group: unit p's value j),

@@ -81,6 +81,11 @@ class QuantizedWeight:
         return cls(parts, weights[0].in_features)
 
     @property
+    def kernel_args(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The packed parts and their GGUF type ids, as the fused layer ops take them."""
+        return [rows for _, rows in self.parts], [KERNEL_TYPES[qtype] for qtype, _ in self.parts]
+
+    @property
     def nbytes(self) -> int:
         return sum(rows.nbytes for _, rows in self.parts)
 

@@ -111,6 +111,12 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.weight is not None and module.in_features % 32 == 0:
                 module.use_quantized(_q8(module.weight))
+        self.fuse_decode_layers()
+
+    def fuse_decode_layers(self) -> int:
+        """Layers that can run steps of a few rows as fused native ops do so (models/llama.py: DecoderLayer.fuse), once
+        their weights and kernels are set; returns how many."""
+        return sum(layer.fuse() for layer in self.layers if hasattr(layer, "fuse"))
 
 
 def _q8(weight: torch.Tensor) -> QuantizedWeight:
