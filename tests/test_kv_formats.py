@@ -2,6 +2,7 @@
 for decode, SDPA for prefill chunks) equal to attention over the dequantized copy."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,8 +139,8 @@ def test_native_decode_equals_attention_over_dequantized_copy(k_dtype, v_dtype):
     cache, tables = _filled_cache(k_dtype, v_dtype)
     lens = torch.tensor(LENS)
     q = torch.randn(len(LENS), 6, 64, generator=G)
-    group = _group(torch.ones(len(LENS), dtype=torch.bool), lens - 1, torch.ones(len(LENS), dtype=torch.long),
-                   torch.arange(len(LENS)), [torch.stack(tables)], BS, [None])
+    group = _group(np.ones(len(LENS), dtype=bool), lens.numpy() - 1, np.ones(len(LENS), dtype=np.int64),
+                   np.arange(len(LENS)), [torch.stack(tables).numpy()], BS, [None])
     out = NativeCPUBackend(cache).attend(0, 0, q, group, 1 / 8)
     for b, n in enumerate(LENS):
         torch.testing.assert_close(out[b], _reference(cache, tables[b], q[b:b + 1], [n - 1])[0], rtol=1e-5, atol=1e-5)
@@ -152,7 +153,7 @@ def test_prefill_chunks_attend_over_dequantized_copy(k_dtype, v_dtype):
     starts = torch.tensor(LENS) - counts
     offsets = torch.cumsum(counts, 0) - counts
     q = torch.randn(int(counts.sum()), 6, 64, generator=G)
-    group = _group(counts > 0, starts, counts, offsets, [torch.stack(tables)], BS, [None])
+    group = _group((counts > 0).numpy(), starts.numpy(), counts.numpy(), offsets.numpy(), [torch.stack(tables).numpy()], BS, [None])
     out = torch.empty_like(q)
     out[group.flat_index] = SDPABackend(cache).attend(0, 0, q, group, 1 / 8)
     for b, n in enumerate(LENS):

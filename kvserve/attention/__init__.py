@@ -54,9 +54,19 @@ class ForwardContext:
     groups: list[QueryGroup]
     backend: SDPABackend
     votes: dict[int, dict[int, torch.Tensor]] | None = None  # layer -> query group -> [B, kv heads, keys] (see score_from)
+    step_arguments: list[tuple] | None = None  # per KV group, where the backend's native kernel runs the step whole
+
+    def __post_init__(self):
+        self.step_arguments = self.backend.step_arguments(self)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
                   value_dims: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]. A latent layer (MLA) caches
         k only and passes v=None: its values are the first `value_dims` of each cached key, and it returns [T, H, value_dims]."""
         return self.backend.forward(layer, q, k, v, self, scale, value_dims)
+
+    def kernel_arguments(self, layer: int) -> tuple | None:
+        """Where the backend lets a fused layer op write this layer's new K/V and attend itself: the native decode
+        kernel's arguments (the layer's stores and formats, then the step's block tables, context lengths, window and
+        slots); else None, and the layer calls `attention`."""
+        return self.backend.layer_arguments(layer, self)

@@ -1,13 +1,15 @@
 """fp32 on CPU: decode queries go to kvserve.kernels, which reads each sequence's blocks in place, in any
-KV format, dequantizing in registers; prefill chunks use SDPA."""
+KV format, dequantizing in registers; prefill chunks use SDPA. A step of decodes alone, over a float cache,
+writes its new K/V and attends in one call."""
 from __future__ import annotations
 
 import torch
 
-from kvserve.attention import QueryGroup
+from kvserve.attention import ForwardContext, QueryGroup
 from kvserve.attention.sdpa import SDPABackend
 from kvserve.kernels import native_ops
 from kvserve.kv.cache import KVCache
+from kvserve.kv.formats.full import FloatFormat
 
 
 class NativeCPUBackend(SDPABackend):
@@ -15,16 +17,41 @@ class NativeCPUBackend(SDPABackend):
         super().__init__(cache)
         layout, residual = cache.layout, cache.residual_k is not None
         codes = (layout.k_format.code, layout.v_format.code, layout.residual_format.code if residual else 0)
-        # the kernel's arguments for each layer of a group, made once
+        # the kernel's arguments for each layer of a group, made once: K and V stores, their formats, the residual pool's
         self.stores = [None if j in cache.merged else
                        (list(cache.k[j].values()), list(cache.v[j].values()), *codes[:2],
                         list(cache.residual_k[j].values()) if residual else [],
                         list(cache.residual_v[j].values()) if residual else [], codes[2]) for j in range(layout.layers_per_group)]
         self.windows = [g.spec.window or 0 for g in layout.groups]
+        written = layout.residual_format if residual else layout.k_format  # the format new tokens land in
+        self.writes = isinstance(written, FloatFormat) and (residual or isinstance(layout.v_format, FloatFormat))
+
+    def step_arguments(self, ctx: ForwardContext) -> list[tuple] | None:
+        """Per KV group, the kernel's arguments of this step (block tables, context lengths, window, slots) where it
+        writes and attends for every token: a step of decodes alone, over a float cache, with no votes."""
+        group = ctx.groups[0]
+        if not (self.writes and group.in_order and group.is_decode and group.score_from is None):
+            return None
+        return [(group.block_tables[g], group.context_lens[g], self.windows[g], ctx.slot_mappings[g]) for g in range(len(self.windows))]
+
+    def layer_arguments(self, layer: int, ctx: ForwardContext) -> tuple | None:
+        """The native kernel's arguments for this layer in this step (its stores, then the step's), or None."""
+        g, j = self.cache.slot[layer]
+        if ctx.step_arguments is None or self.stores[j] is None:
+            return None
+        return self.stores[j] + ctx.step_arguments[g]
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, ctx: ForwardContext, scale: float,
+                value_dims: int | None = None) -> torch.Tensor:
+        arguments = self.layer_arguments(layer, ctx) if v is not None else None
+        if arguments is not None:
+            *stores, tables, lens, window, slots = arguments
+            return native_ops().paged_decode_attention(q, stores[0], stores[1], tables, lens, scale, *stores[2:], window, k, v, slots)
+        return super().forward(layer, q, k, v, ctx, scale, value_dims)
 
     def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float, value_dims: int | None = None) -> torch.Tensor:
         if not group.is_decode or value_dims is not None or self.stores[j] is None:  # the kernel reads K and V stores of one width, unmerged
             return super().attend(g, j, q, group, scale, value_dims)
-        k, v, k_code, v_code, k_res, v_res, res_code = self.stores[j]
-        return native_ops().paged_decode_attention(q if group.in_order else q[group.flat_index], k, v, group.block_tables[g], group.context_lens[g], scale,
-                                                   k_code, v_code, k_res, v_res, res_code, self.windows[g])
+        k, v, *formats = self.stores[j]
+        return native_ops().paged_decode_attention(q if group.in_order else q[group.flat_index], k, v, group.block_tables[g],
+                                                   group.context_lens[g], scale, *formats, self.windows[g])

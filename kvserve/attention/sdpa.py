@@ -13,6 +13,13 @@ class SDPABackend:
     def __init__(self, cache: KVCache):
         self.cache = cache
 
+    def step_arguments(self, ctx: ForwardContext) -> list[tuple] | None:
+        """A native kernel's arguments for a step it runs whole (cpu_native); this backend runs none."""
+        return None
+
+    def layer_arguments(self, layer: int, ctx: ForwardContext) -> tuple | None:
+        return None
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, ctx: ForwardContext, scale: float,
                 value_dims: int | None = None) -> torch.Tensor:
         g, j = self.cache.slot[layer]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvserve.attention import ForwardContext, QueryGroup
@@ -132,27 +133,29 @@ class ModelRunner:
                 self.kv_cache.pack(pairs)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The step's inputs. The index arithmetic runs in NumPy (a decode step's dozens of tiny array ops cost a
+        fraction of torch's per-op dispatch) and becomes tensors, without copies, at the end."""
         bs, dev = self.config.block_size, self.device
-        starts = torch.tensor([s.num_slots for s in batch.seqs])  # positions in the cache
-        real_counts = torch.tensor(batch.num_tokens)
-        counts = real_counts + torch.tensor(batch.padding or [0] * len(batch))
-        offsets = torch.cumsum(counts, 0) - counts
+        starts = np.array([s.num_slots for s in batch.seqs])  # positions in the cache
+        real_counts = np.array(batch.num_tokens)
+        counts = real_counts + np.array(batch.padding) if batch.padding else real_counts
+        offsets = np.cumsum(counts) - counts
         width = max(len(s.block_tables[0]) for s in batch.seqs)
-        tables = [torch.tensor([s.block_tables[g] + [0] * (width - len(s.block_tables[g])) for s in batch.seqs]).clamp_(min=0)
+        tables = [np.array([s.block_tables[g] + [0] * (width - len(s.block_tables[g])) for s in batch.seqs]).clip(min=0)
                   for g in range(len(batch.seqs[0].block_tables))]  # blocks a sliding group freed (-1) read block 0, masked
         input_ids = torch.tensor([t for s, n, c in zip(batch.seqs, batch.num_tokens, counts.tolist())
                                   for t in _step_tokens(s, n) + [0] * (c - n)])
-        owner = torch.repeat_interleave(torch.arange(len(batch)), counts)
-        positions = starts[owner] + torch.arange(len(owner)) - offsets[owner]
-        slot_mappings = [(t[owner, positions // bs] * bs + positions % bs).to(dev) for t in tables]
+        owner = np.repeat(np.arange(len(batch)), counts)
+        positions = starts[owner] + np.arange(len(owner)) - offsets[owner]
+        slot_mappings = [torch.from_numpy(t[owner, positions // bs] * bs + positions % bs).to(dev) for t in tables]
         policies = [s.policy for s in batch.seqs]
         if any(policies):  # RoPE positions are token positions, but for a policy that places tokens at their slots
-            shift = torch.tensor([0 if p is None or p.reposition else s.num_evicted_tokens for s, p in zip(batch.seqs, policies)])
+            shift = np.array([0 if p is None or p.reposition else s.num_evicted_tokens for s, p in zip(batch.seqs, policies)])
             positions = positions + shift[owner]
         q_starts, q_counts, q_offsets, q_tables = starts, counts, offsets, tables  # a query row per sequence...
         verifying = [bool(s.draft_token_ids) for s in batch.seqs]
         if any(verifying):  # ...but a guessing sequence's tokens attend as decodes, each with its own context
-            q_starts, q_counts, q_offsets, q_tables = _queries_per_token(torch.tensor(verifying), starts, counts, offsets, tables)
+            q_starts, q_counts, q_offsets, q_tables = _queries_per_token(np.array(verifying), starts, counts, offsets, tables)
         # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
         votes = _voters(batch) if any(policies) else None
         selections = [rows for rows in (q_counts == 1, (q_counts > 1) & (q_starts == 0), (q_counts > 1) & (q_starts > 0)) if rows.any()]
@@ -166,10 +169,11 @@ class ModelRunner:
         prompt_rows = [_prompt_row(i, s, n, int(offsets[i])) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                        if s.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens]
         backend = self.sdpa if batch.rectangular else self.backend
-        ctx = ForwardContext(positions.to(dev), slot_mappings, [g.to(dev) for g in groups], backend, {} if votes is not None else None)
+        ctx = ForwardContext(torch.from_numpy(positions).to(dev), slot_mappings, [g.to(dev) for g in groups], backend,
+                             {} if votes is not None else None)
         return StepInputs(input_ids.to(dev), ctx, logits_index.to(dev), sampling_rows,
                           [(i, index.to(dev), targets) for i, index, targets in prompt_rows if len(index)],
-                          [rows.nonzero().squeeze(1).tolist() for rows in selections])
+                          [np.flatnonzero(rows).tolist() for rows in selections])
 
 
 def _collect_votes(inputs: StepInputs, seqs: list[Sequence], num_layers: int) -> dict[Sequence, torch.Tensor]:
@@ -187,14 +191,13 @@ def _collect_votes(inputs: StepInputs, seqs: list[Sequence], num_layers: int) ->
     return votes
 
 
-def _queries_per_token(split: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor]):
+def _queries_per_token(split: np.ndarray, starts, counts, offsets, tables: list[np.ndarray]):
     """Query rows where each `split` sequence's tokens are rows of one token (so the decode kernel serves them,
     with the arithmetic of one-token steps) and other sequences stay one row: starts, counts, offsets, tables."""
-    per_row = torch.where(split, counts, 1)
-    src = torch.repeat_interleave(torch.arange(len(split)), per_row)
-    within = torch.arange(len(src)) - (torch.cumsum(per_row, 0) - per_row)[src]
-    return (starts[src] + within, torch.where(split[src], 1, counts[src]), offsets[src] + within,
-            [t[src] for t in tables])
+    per_row = np.where(split, counts, 1)
+    src = np.repeat(np.arange(len(split)), per_row)
+    within = np.arange(len(src)) - (np.cumsum(per_row) - per_row)[src]
+    return (starts[src] + within, np.where(split[src], 1, counts[src]), offsets[src] + within, [t[src] for t in tables])
 
 
 def _step_tokens(seq: Sequence, n: int) -> list[int]:
@@ -210,22 +213,22 @@ def _prompt_row(row: int, seq, num_tokens: int, offset: int) -> tuple[int, torch
     return row, offset + targets - 1 - start, torch.tensor(seq.token_ids)[targets] if len(targets) else targets
 
 
-def _voters(batch: ScheduledBatch) -> torch.Tensor | None:
+def _voters(batch: ScheduledBatch) -> np.ndarray | None:
     """Each sequence's first query whose attention votes for its cached tokens (a KV policy's); None: no votes."""
     first = []
     for seq, n in zip(batch.seqs, batch.num_tokens):
         at = seq.policy.voters(seq.num_prompt_tokens, seq.num_computed_tokens, n) if seq.policy is not None else None
         first.append(NO_VOTES if at is None else at)
-    return torch.tensor(first) if min(first) < NO_VOTES else None
+    return np.array(first) if min(first) < NO_VOTES else None
 
 
-def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tensor], bs: int, windows: list[int | None],
-           votes: torch.Tensor | None = None) -> QueryGroup:
+def _group(rows: np.ndarray, starts, counts, offsets, tables: list[np.ndarray], bs: int, windows: list[int | None],
+           votes: np.ndarray | None = None) -> QueryGroup:
     """Pad the selected sequences' queries to [B, Q]; their keys are whole blocks, masked past each query. A sliding
     group's keys start at the first block any query's window reaches, masked before each query's window."""
     start, count, offset = starts[rows], counts[rows], offsets[rows]
-    q = torch.arange(int(count.max()))
-    last = torch.minimum(q[None, :], count[:, None] - 1)  # padding queries repeat the last real one
+    q = np.arange(int(count.max()))
+    last = np.minimum(q[None, :], count[:, None] - 1)  # padding queries repeat the last real one
     query_pos = (start[:, None] + last)[:, :, None]
     num_blocks = -(-int((start + count).max()) // bs)
     query_index = offset[:, None] + last
@@ -234,14 +237,15 @@ def _group(rows: torch.Tensor, starts, counts, offsets, tables: list[torch.Tenso
     keys = {}  # window -> (first block, mask)
     for window in set(windows):
         first = 0 if window is None else max(0, int(start.min()) - window + 1) // bs
-        key_pos = torch.arange(first * bs, num_blocks * bs)[None, None, :]
+        key_pos = np.arange(first * bs, num_blocks * bs)[None, None, :]
         allowed = key_pos <= query_pos if window is None else (key_pos <= query_pos) & (key_pos > query_pos - window)
         implicit = (from_start and (window is None or int(count.max()) <= window)) or bool(allowed.all())
-        keys[window] = first, None if implicit else allowed.unsqueeze(1)
-    return QueryGroup(query_index, valid.flatten().nonzero().squeeze(1),
-                      [t[rows, keys[w][0]:num_blocks] for t, w in zip(tables, windows)], [keys[w][1] for w in windows],
-                      query_index[valid], [start + count - keys[w][0] * bs for w in windows], from_start,
-                      votes[rows] if votes is not None and bool((votes[rows] < count).any()) else None)
+        keys[window] = first, None if implicit else torch.from_numpy(allowed[:, None])
+    tensor = torch.from_numpy
+    return QueryGroup(tensor(query_index), tensor(np.flatnonzero(valid)),
+                      [tensor(np.ascontiguousarray(t[rows, keys[w][0]:num_blocks])) for t, w in zip(tables, windows)],
+                      [keys[w][1] for w in windows], tensor(query_index[valid]), [tensor(start + count - keys[w][0] * bs) for w in windows],
+                      from_start, tensor(votes[rows]) if votes is not None and bool((votes[rows] < count).any()) else None)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device,

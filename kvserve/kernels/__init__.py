@@ -2,7 +2,8 @@
 torch's cpp_extension, which caches the build.
 
 They register as torch ops under torch.ops.kvserve: gguf_pack, gguf_dequantize, gguf_matmul, kernel_isa,
-set_kernel_isa, decode_pre_attention, decode_post_attention, paged_decode_attention, rms_norm, rope_, silu_and_mul.
+set_kernel_isa, kernel_seconds, paged_decode_attention, rms_norm, rope_, silu_and_mul; and the class
+torch.classes.kvserve.DecodeLayer (a Llama-family decoder layer for decode steps).
 """
 from __future__ import annotations
 

@@ -13,7 +13,9 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "paged_attention.h"
 #include "simd.h"
+#include "timer.h"
 
 #include <algorithm>
 #include <array>
@@ -252,16 +254,50 @@ Store make_store(const std::vector<at::Tensor>& parts, int64_t format, int64_t d
     return s;
 }
 
+// New tokens' K or V [T, KVH, D] written at their slots of a float store (F32, F16 or BF16, rounded as torch's .to()).
+void write_rows(const at::Tensor& x, const at::Tensor& data, const int64_t* slots) {
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "new K/V must be fp32 [T, KVH, D]");
+    const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2), rows = data.size(0) * data.size(1);
+    TORCH_CHECK(data.size(2) == KVH && data.size(3) == D, "new K/V do not match the cache");
+    for (int64_t t = 0; t < T; ++t) {
+        TORCH_CHECK(slots[t] >= 0 && slots[t] < rows, "slot ", slots[t], " is outside the pool");
+        for (int64_t h = 0; h < KVH; ++h) {
+            const float* src = x.data_ptr<float>() + t * x.stride(0) + h * x.stride(1);
+            const int64_t at = (slots[t] * KVH + h) * D;
+            if (data.scalar_type() == at::kFloat) std::copy(src, src + D, data.data_ptr<float>() + at);
+            else if (data.scalar_type() == at::kHalf) std::copy(src, src + D, data.data_ptr<c10::Half>() + at);
+            else std::copy(src, src + D, data.data_ptr<c10::BFloat16>() + at);
+        }
+    }
+}
+
 }  // namespace
 
 // q [B, H, D]; k, v: each a list of parts of a kvserve.kv format, values first ([blocks, block_size, KVH, ...]);
 // block_tables [B, W]; context_lens [B]. Ids >= blocks index k_residual / v_residual ([blocks', block_size, KVH, D],
 // in residual_format; empty lists: no residual pool). window > 0: each query sees only its last `window` keys
-// (a sliding-window layer; the blocks before them are never read).
+// (a sliding-window layer; the blocks before them are never read). k_new/v_new [B, KVH, D] and slots [B]: the new
+// tokens' K/V, first written at their slots (of the residual pool where there is one, whose slots follow the main
+// pool's), for float stores.
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   int64_t k_format, int64_t v_format, const std::vector<at::Tensor>& k_residual,
-                                  const std::vector<at::Tensor>& v_residual, int64_t residual_format, int64_t window) {
+                                  const std::vector<at::Tensor>& v_residual, int64_t residual_format, int64_t window,
+                                  const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
+                                  const c10::optional<at::Tensor>& slots) {
+    const kvt::Scope timed;
+    if (slots.has_value()) {
+        const bool residual = !k_residual.empty();
+        const int64_t format = residual ? residual_format : k_format;
+        TORCH_CHECK(format <= BF16 && (residual || v_format <= BF16), "only float stores are written here");
+        TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() && k_new.has_value() && v_new.has_value() &&
+                    slots->size(0) == k_new->size(0) && slots->size(0) == v_new->size(0), "k_new, v_new and slots [T] go together");
+        std::vector<int64_t> at(slots->data_ptr<int64_t>(), slots->data_ptr<int64_t>() + slots->size(0));
+        if (residual)
+            for (auto& s : at) s -= k[0].size(0) * k[0].size(1);
+        write_rows(*k_new, residual ? k_residual[0] : k[0], at.data());
+        write_rows(*v_new, residual ? v_residual[0] : v[0], at.data());
+    }
     TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be fp32 [B, H, D]");
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables and lengths");
     const at::Tensor q = q_in.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
@@ -377,6 +413,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("paged_decode_attention(Tensor q, Tensor[] k, Tensor[] v, Tensor block_tables, Tensor context_lens, float scale, "
-          "int k_format, int v_format, Tensor[] k_residual, Tensor[] v_residual, int residual_format, int window=0) -> Tensor",
+          "int k_format, int v_format, Tensor[] k_residual, Tensor[] v_residual, int residual_format, int window=0, "
+          "Tensor? k_new=None, Tensor? v_new=None, Tensor? slots=None) -> Tensor",
           &paged_decode_attention);
 }

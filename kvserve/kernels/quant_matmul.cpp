@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "quants.h"
+#include "timer.h"
 
 namespace kvq {
 bool avx512_supported();
@@ -429,6 +430,7 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K, at::Sca
 void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
                  float* out, int64_t ldo) {
     if (M == 0 || N == 0) return;
+    const kvt::Scope timed;
     const Layout L = layout(type, K);
     thread_local Prepared prepared;
     thread_local std::vector<float> sums;
@@ -465,6 +467,8 @@ at::Tensor gguf_matmul(const at::Tensor& input, const at::Tensor& w, int64_t typ
 
 std::string kernel_isa() { return use_avx512 ? "avx512_vnni" : "avx2"; }
 
+double kernel_seconds() { return double(kvt::kernel_ns().load()) * 1e-9; }
+
 void set_kernel_isa(const std::string& name) {
     TORCH_CHECK(name == "avx2" || name == "avx512_vnni", "kernel ISA must be avx2 or avx512_vnni, got ", name);
     TORCH_CHECK(name == "avx2" || kvq::avx512_supported(), "this CPU has no AVX-512 VNNI");
@@ -477,4 +481,5 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("gguf_matmul(Tensor x, Tensor w, int type, bool int8_activations=False) -> Tensor", &gguf_matmul);
     m.def("kernel_isa() -> str", &kernel_isa);
     m.def("set_kernel_isa(str name) -> ()", &set_kernel_isa);
+    m.def("kernel_seconds() -> float", &kernel_seconds);
 }

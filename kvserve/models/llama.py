@@ -75,7 +75,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = self.attention_class(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
-        self.fused: tuple | None = None  # the fused ops' weight arguments (see fuse)
+        self.fused = None  # the layer's weights in native code (see fuse)
         self.fused_rows = 0
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
@@ -85,32 +85,34 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fuse(self) -> bool:
-        """Steps of a few rows run as two native ops around attention (kernels/decode_layer.cpp), where this layer
-        is the plain Llama one with quantized weights: the same arithmetic, without a dozen Python-dispatched ops."""
+        """Steps of a few rows run as native code (kernels/decode_layer.cpp: the layer in one call where the backend
+        lets the kernel attend, else two around its attention), where this layer is the plain Llama one with quantized
+        weights: the same arithmetic, without dozens of Python-dispatched ops."""
         attn, mlp = self.self_attn, self.mlp
         if type(attn) is not Attention or attn.qk_norm or not (attn.native and mlp.native):
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(m.qweight is None for m in linears) or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
             return False
-        int8 = attn.qkv_proj.int8_activations
-        self.fused = ((self.input_layernorm.weight, self.input_layernorm.eps, *attn.qkv_proj.qweight.kernel_args, attn.qkv_proj.bias,
-                       int8, attn.heads + attn.kv_heads),
-                      (*attn.o_proj.qweight.kernel_args, attn.o_proj.bias, self.post_attention_layernorm.weight,
-                       self.post_attention_layernorm.eps, *mlp.gate_up_proj.qweight.kernel_args,
-                       *mlp.down_proj.qweight.kernel_args, int8))
+        self.fused = torch.classes.kvserve.DecodeLayer(
+            self.input_layernorm.weight, self.input_layernorm.eps, *attn.qkv_proj.qweight.kernel_args, attn.qkv_proj.bias,
+            self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, *attn.o_proj.qweight.kernel_args, attn.o_proj.bias,
+            *mlp.gate_up_proj.qweight.kernel_args, *mlp.down_proj.qweight.kernel_args, attn.qkv_proj.int8_activations,
+            attn.heads, attn.kv_heads, attn.scale)
         self.fused_rows = min(m.kernel_rows for m in linears)
         return True
 
     def _fused(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        attn, (before, after) = self.self_attn, self.fused
-        tokens, d = x.shape[0], attn.head_dim
+        attn = self.self_attn
         cos, sin = rope[attn.rope]
-        qkv = native_ops().decode_pre_attention(x, cos, sin, *before)
-        q, k, v = qkv.split([attn.heads * d, attn.kv_heads * d, attn.kv_heads * d], dim=-1)
+        kernel = ctx.kernel_arguments(attn.layer)
+        if kernel is not None:  # attention too, inside one call
+            return self.fused.forward(x, cos, sin, *kernel)
+        tokens, d = x.shape[0], attn.head_dim
+        q, k, v = self.fused.pre(x, cos, sin).split([attn.heads * d, attn.kv_heads * d, attn.kv_heads * d], dim=-1)
         out = ctx.attention(attn.layer, q.view(tokens, attn.heads, d), k.view(tokens, attn.kv_heads, d),
                             v.view(tokens, attn.kv_heads, d), attn.scale)
-        return native_ops().decode_post_attention(x, out.view(tokens, -1), *after)
+        return self.fused.post(x, out.view(tokens, -1))
 
 
 class LlamaForCausalLM(CausalLM):
