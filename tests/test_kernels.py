@@ -64,7 +64,7 @@ def _widths(qtype) -> list[int]:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_packed_weights_dequantize_to_the_gguf_packages_values(qtype):
+def test_packed_weights_dequantize_to_the_gguf_packages_values(qtype, isa):
     for cols in _widths(qtype):
         w, values = packed(qtype, 37, cols, seed=cols)
         assert torch.equal(native_ops().gguf_dequantize(w, int(qtype), cols, torch.float32), values), cols

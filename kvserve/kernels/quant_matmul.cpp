@@ -23,6 +23,8 @@ namespace kvq {
 bool avx512_supported();
 void matmul_rows_avx512(int type, const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1,
                         float* out, int64_t ldo);
+void dequantize_rows_avx512(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, float* out);
+void dequantize_rows_avx512(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, uint16_t* out);
 }  // namespace kvq
 
 namespace {
@@ -411,16 +413,23 @@ at::Tensor gguf_pack(const at::Tensor& raw, int64_t type) {
     return out;
 }
 
-// Packed rows -> their values [N, K] in fp32 or bf16.
-at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K, at::ScalarType dtype) {
+// Packed rows -> their values [N, K] in fp32 or bf16 (into `out` where given: a buffer reused across calls spares
+// the page faults of a fresh allocation).
+at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K, at::ScalarType dtype, const c10::optional<at::Tensor>& into) {
     const Layout L = checked_layout(type, K);
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == L.row_bytes && w.stride(1) == 1 && w.stride(0) == L.row_bytes,
                 "w must be packed rows of ", L.row_bytes, " bytes");
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
-    at::Tensor out = at::empty({w.size(0), K}, w.options().dtype(dtype));
+    TORCH_CHECK(!into.has_value() || (into->scalar_type() == dtype && into->is_contiguous() && into->numel() >= w.size(0) * K),
+                "out must be a contiguous buffer of ", w.size(0) * K, " values of the dtype");
+    at::Tensor out = into.has_value() ? into->view(-1).narrow(0, 0, w.size(0) * K).view({w.size(0), K})
+                                      : at::empty({w.size(0), K}, w.options().dtype(dtype));
     const uint8_t* wp = w.data_ptr<uint8_t>();
     at::parallel_for(0, w.size(0), 16, [&](int64_t begin, int64_t end) {
-        if (dtype == at::kFloat) dequantize_rows(static_cast<int>(type), wp, L, begin, end, out.data_ptr<float>());
+        float* f32 = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+        if (use_avx512 && f32) dequantize_rows_avx512(static_cast<int>(type), wp, L, begin, end, f32);
+        else if (use_avx512) dequantize_rows_avx512(static_cast<int>(type), wp, L, begin, end, reinterpret_cast<uint16_t*>(out.data_ptr()));
+        else if (f32) dequantize_rows(static_cast<int>(type), wp, L, begin, end, f32);
         else dequantize_rows(static_cast<int>(type), wp, L, begin, end, out.data_ptr<at::BFloat16>());
     });
     return out;
@@ -477,7 +486,7 @@ void set_kernel_isa(const std::string& name) {
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("gguf_pack(Tensor raw, int type) -> Tensor", &gguf_pack);
-    m.def("gguf_dequantize(Tensor w, int type, int K, ScalarType dtype) -> Tensor", &gguf_dequantize);
+    m.def("gguf_dequantize(Tensor w, int type, int K, ScalarType dtype, Tensor? out=None) -> Tensor", &gguf_dequantize);
     m.def("gguf_matmul(Tensor x, Tensor w, int type, bool int8_activations=False) -> Tensor", &gguf_matmul);
     m.def("kernel_isa() -> str", &kernel_isa);
     m.def("set_kernel_isa(str name) -> ()", &set_kernel_isa);

@@ -182,7 +182,65 @@ void matmul_rows(const Activations& a, const uint8_t* w, const Layout& L, int64_
     }
 }
 
+inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+
+inline void store16(uint16_t* out, __m512 v) {  // bf16, rounded to nearest even as torch's .to(bfloat16)
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+}
+
+// A row's values, a group of four units at a time: the same arithmetic as the AVX2 path (s * (c - o), then + m).
+template <int TYPE, typename T>
+void dequantize_row(const uint8_t* w, const Layout& L, T* out) {
+    constexpr Info t = info(TYPE);
+    for (int64_t g = 0; g < L.groups; ++g) {
+        const Group G = load_group<TYPE>(w, L, g);
+        const int64_t n = L.units - 4 * g < 4 ? L.units - 4 * g : 4;
+        for (int64_t p = 0; p < n; ++p) {
+            const UnitScale s = unit_scale(TYPE, w, L, 4 * g + p);
+            const __m128i lo = p == 0 ? _mm512_extracti32x4_epi32(G.lo, 0) : p == 1 ? _mm512_extracti32x4_epi32(G.lo, 1)
+                             : p == 2 ? _mm512_extracti32x4_epi32(G.lo, 2) : _mm512_extracti32x4_epi32(G.lo, 3);
+            const __m128i hi = p == 0 ? _mm512_extracti32x4_epi32(G.hi, 0) : p == 1 ? _mm512_extracti32x4_epi32(G.hi, 1)
+                             : p == 2 ? _mm512_extracti32x4_epi32(G.hi, 2) : _mm512_extracti32x4_epi32(G.hi, 3);
+            const __m512i offset = _mm512_set1_epi32(t.offset);
+            __m512 a = _mm512_mul_ps(_mm512_set1_ps(s.lo), _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), offset)));
+            __m512 b = _mm512_mul_ps(_mm512_set1_ps(s.hi), _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), offset)));
+            if constexpr (t.min) a = _mm512_add_ps(a, _mm512_set1_ps(s.min)), b = _mm512_add_ps(b, _mm512_set1_ps(s.min));
+            store16(out + 32 * (4 * g + p), a);
+            store16(out + 32 * (4 * g + p) + 16, b);
+        }
+    }
+}
+
+template <typename T>
+void dequantize(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, T* out) {
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = w + n * L.row_bytes;
+        T* o = out + n * L.K;
+        switch (type) {
+            case Q4_0: dequantize_row<Q4_0>(row, L, o); break;
+            case Q4_1: dequantize_row<Q4_1>(row, L, o); break;
+            case Q5_0: dequantize_row<Q5_0>(row, L, o); break;
+            case Q5_1: dequantize_row<Q5_1>(row, L, o); break;
+            case Q8_0: dequantize_row<Q8_0>(row, L, o); break;
+            case Q4_K: dequantize_row<Q4_K>(row, L, o); break;
+            case Q5_K: dequantize_row<Q5_K>(row, L, o); break;
+            default: dequantize_row<Q6_K>(row, L, o); break;
+        }
+    }
+}
+
 }  // namespace
+
+void dequantize_rows_avx512(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, float* out) {
+    dequantize(type, w, L, n0, n1, out);
+}
+
+void dequantize_rows_avx512(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, uint16_t* out) {
+    dequantize(type, w, L, n0, n1, out);
+}
 
 void matmul_rows_avx512(int type, const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1,
                         float* out, int64_t ldo) {

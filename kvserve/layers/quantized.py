@@ -99,22 +99,36 @@ class QuantizedWeight:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def tiles(self, dtype: torch.dtype):
-        """(first row, dequantized rows [n, in]) for all rows, a few MB at a time."""
-        start, elements = 0, max(1, TILE_BYTES // (self.in_features * torch.finfo(dtype).bits // 8))
+        """(first row, dequantized rows [n, in]) for all rows, a few MB at a time, in one buffer reused by every tile
+        (use each before taking the next)."""
+        start, count = 0, max(1, TILE_BYTES // (self.in_features * dtype.itemsize))
+        buffer = _tile_buffer(dtype, count * self.in_features)
         for qtype, rows in self.parts:
-            for first in range(0, rows.shape[0], elements):
-                tile = native_ops().gguf_dequantize(rows[first:first + elements], KERNEL_TYPES[qtype], self.in_features, dtype)
-                yield start + first, tile
+            for first in range(0, rows.shape[0], count):
+                yield start + first, native_ops().gguf_dequantize(rows[first:first + count], KERNEL_TYPES[qtype], self.in_features,
+                                                                  dtype, buffer)
             start += rows.shape[0]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.cat([tile for _, tile in self.tiles(dtype)])
+        return torch.cat([tile.clone() for _, tile in self.tiles(dtype)])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [len(ids), in] (an embedding lookup)."""
         (qtype, rows), = self.parts
         return native_ops().gguf_dequantize(rows.index_select(0, ids.flatten()), KERNEL_TYPES[qtype], self.in_features,
                                             torch.float32).view(*ids.shape, self.in_features)
+
+
+_TILE_BUFFERS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _tile_buffer(dtype: torch.dtype, elements: int) -> torch.Tensor:
+    """The buffer tiles are dequantized into: one per dtype, grown to the largest tile asked for (made once, it
+    spares every prefill step the page faults of fresh tiles)."""
+    buffer = _TILE_BUFFERS.get(dtype)
+    if buffer is None or buffer.numel() < elements:
+        buffer = _TILE_BUFFERS[dtype] = torch.empty(elements, dtype=dtype)
+    return buffer
 
 
 def load_tensor(tensor: GGUFTensor, packed: bool) -> QuantizedWeight | torch.Tensor:
