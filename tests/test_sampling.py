@@ -85,3 +85,37 @@ def test_streaming_yields_each_token(smollm2):
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5, 6]
     assert "".join(o.outputs[0].new_text for o in outs) == outs[-1].outputs[0].text
     assert outs[-1].finished and not outs[0].finished
+
+
+def _filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution temperature, top-k and top-p define, written out with a full sort."""
+    probs = (logits / temperature).softmax(-1)
+    ordered, order = probs.sort(descending=True)
+    keep = torch.arange(len(probs)) < (top_k if top_k > 0 else len(probs))
+    keep &= (ordered.cumsum(0) - ordered) < top_p
+    keep[0] = True
+    out = torch.zeros_like(probs)
+    out[order[keep]] = ordered[keep]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.6), (1.0, 50, 0.8), (1.0, -1, 0.97)])
+def test_sampled_tokens_follow_the_filtered_distribution(temperature, top_k, top_p):
+    """Draws against the rule written out with a full sort: never a token the filters drop, the likeliest tokens'
+    shares and the rest's within 4 sigma. The logits have a long flat tail, so top_p 0.97 needs more candidates than
+    the sampler first looks at (its fallback)."""
+    from kvserve.layers.sampler import TOP_P_CANDIDATES, SamplingBatch, sample
+
+    logits = torch.cat([torch.tensor([6.0, 5.5, 5.0, 4.0, 3.0, 2.5, 2.0, 1.0]), torch.randn(3000, generator=torch.Generator().manual_seed(0)) * 0.1])
+    expected = _filtered(logits, temperature, top_k, top_p)
+    if (temperature, top_p) == (1.0, 0.97):
+        assert int((expected > 0).sum()) > max(TOP_P_CANDIDATES)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    n = 20000
+    tokens = torch.tensor([sample(logits[None], SamplingBatch([params], [generator], [[]], [[]])).token_ids[0] for _ in range(n)])
+    assert bool((expected[tokens] > 0).all())
+    counts = torch.bincount(tokens, minlength=len(logits)).double()
+    for share, want in [(counts[:8] / n, expected[:8].double()), (counts[8:].sum()[None] / n, expected[8:].sum().double()[None])]:
+        sigma = (want * (1 - want) / n).sqrt()
+        assert bool(((share - want).abs() <= 4 * sigma + 1e-9).all()), (share, want)

@@ -46,30 +46,42 @@ def score_prompt(logits: torch.Tensor, targets: torch.Tensor, params: SamplingPa
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in batch.params) else None
     logits = _apply_penalties(logits, batch)
-    tokens = logits.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(batch.params) if not p.greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows)
-        probs = _filtered_probs(logits[rows], [batch.params[i] for i in sampled_rows])
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p, one generator per request.
-        noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=batch.generators[i]) for i in sampled_rows])
-        tokens[rows] = (probs / noise).argmax(dim=-1)
-    return SamplerOutput(tokens.tolist(), logprobs)
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, p in enumerate(batch.params):
+        if not p.greedy:
+            tokens[i] = _sample_row(logits[i], p, batch.generators[i])
+    return SamplerOutput(tokens, logprobs)
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    logits = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-    if (top_k < logits.shape[-1]).any() or (top_p < 1).any():
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(logits.shape[-1])[None, :]
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token once the mass before it already reaches top_p; always keep the most likely one.
-        drop = (ranks >= top_k[:, None]) | (cumulative - sorted_logits.softmax(dim=-1) >= top_p[:, None])
-        drop[:, 0] = False
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits.softmax(dim=-1)
+# A top-p filter alone first looks for its tokens among this many of the likeliest: sorting a whole 50-250k
+# vocabulary costs milliseconds a row, more than a decode step.
+TOP_P_CANDIDATES = (64, 1024)
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token drawn from softmax(logits / temperature), restricted to the top_k likeliest tokens and to the
+    smallest set of them whose probability reaches top_p (the likeliest one always kept)."""
+    scaled = logits / p.temperature
+    vocab = scaled.shape[0]
+    top_k = min(p.top_k, vocab) if p.top_k > 0 else vocab
+    if top_k == vocab and p.top_p >= 1:
+        return _draw(scaled.softmax(-1), generator)
+    total = torch.logsumexp(scaled, -1)
+    for size in [n for n in TOP_P_CANDIDATES if n < top_k] + [top_k]:
+        values, ids = scaled.topk(size)  # sorted, likeliest first
+        probs = (values - total).exp()
+        if size == top_k or float(probs.sum()) >= p.top_p:  # every token the filters keep is among these
+            break
+    keep = (probs.cumsum(-1) - probs) < p.top_p  # drop a token once the mass before it reaches top_p
+    keep[0] = True
+    return int(ids[keep][_draw(probs[keep], generator)])
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Index i with probability probs[i] / sum(probs): one uniform number against the cumulative sums (in float64)."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
