@@ -2,9 +2,9 @@
 // context_len positions, reading K/V in place through its block table, with no gathered copy and no
 // padding to the longest sequence. One task per (sequence, KV head) covers that head's query group.
 //
-// K and V may be stored in any kvserve.kv format: float32 rows are read where they lie; other formats
-// are dequantized a block at a time into a small buffer that stays in L1, so the cache is read at its
-// packed size. Block ids past the main pool name blocks of the residual pool (kivi2's newest tokens, in a float format).
+// K and V may be stored in any kvserve.kv format: float rows (fp32, fp16, bf16) are read where they lie and
+// widened in registers; other formats are dequantized a block at a time into a small buffer that stays in L1,
+// so the cache is read at its packed size. Block ids past the main pool name blocks of the residual pool (kivi2's newest tokens, in a float format).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -36,13 +36,32 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// Values as a float cache stores them: fp32, fp16 or bf16, read in place and widened in registers.
+struct Half16 { uint16_t bits; };
+struct Brain16 { uint16_t bits; };
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Half16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const Brain16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const Half16* p) { return _cvtsh_ss(p->bits); }
+inline float load1(const Brain16* p) {
+    const uint32_t bits = uint32_t(p->bits) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
 // A vector whose lanes sum to a . b.
-inline __m256 dot_lanes(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline __m256 dot_lanes(const float* a, const T* b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
     float tail = 0.0f;
-    for (; i < n; ++i) tail += a[i] * b[i];
+    for (; i < n; ++i) tail += a[i] * load1(b + i);
     return _mm256_add_ps(acc, _mm256_setr_ps(tail, 0, 0, 0, 0, 0, 0, 0));
 }
 
@@ -54,14 +73,15 @@ inline __m256 hsum8(const __m256 v[8]) {
 }
 
 // scores[t] = scale * q . K[t] for the L keys at offsets rows[t].
-void query_scores(const float* q, const float* k, const int64_t* rows, int64_t L, int64_t D, float scale, float* scores) {
+template <typename T>
+void query_scores(const float* q, const T* k, const int64_t* rows, int64_t L, int64_t D, float scale, float* scores) {
     int64_t t = 0;
     for (; D % 8 == 0 && t + 8 <= L; t += 8) {  // eight independent FMA chains, one per key: throughput-, not latency-bound
         __m256 partial[8];
         for (int j = 0; j < 8; ++j) partial[j] = _mm256_setzero_ps();
         for (int64_t i = 0; i < D; i += 8) {
             const __m256 qi = _mm256_loadu_ps(q + i);
-            for (int j = 0; j < 8; ++j) partial[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + rows[t + j] + i), partial[j]);
+            for (int j = 0; j < 8; ++j) partial[j] = _mm256_fmadd_ps(qi, load8(k + rows[t + j] + i), partial[j]);
         }
         _mm256_storeu_ps(scores + t, _mm256_mul_ps(hsum8(partial), _mm256_set1_ps(scale)));
     }
@@ -74,15 +94,16 @@ void query_scores(const float* q, const float* k, const int64_t* rows, int64_t L
 }
 
 // out += sum_t p[t] * V[t], accumulated in registers 64 columns at a time.
-void weighted_values(const float* p, const float* v, const int64_t* rows, int64_t L, int64_t D, float* out) {
+template <typename T>
+void weighted_values(const float* p, const T* v, const int64_t* rows, int64_t L, int64_t D, float* out) {
     for (int64_t c0 = 0; c0 < D; c0 += 64) {
         if (D - c0 >= 64) {  // a constant count keeps the eight accumulators in registers
             __m256 acc[8];
             for (int r = 0; r < 8; ++r) acc[r] = _mm256_loadu_ps(out + c0 + 8 * r);
             for (int64_t t = 0; t < L; ++t) {
-                const float* vt = v + rows[t] + c0;
+                const T* vt = v + rows[t] + c0;
                 const __m256 pt = _mm256_set1_ps(p[t]);
-                for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+                for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(pt, load8(vt + 8 * r), acc[r]);
             }
             for (int r = 0; r < 8; ++r) _mm256_storeu_ps(out + c0 + 8 * r, acc[r]);
             continue;
@@ -93,10 +114,10 @@ void weighted_values(const float* p, const float* v, const int64_t* rows, int64_
         for (int r = 0; r < vecs; ++r) acc[r] = _mm256_loadu_ps(out + c0 + 8 * r);
         for (int64_t c = vecs * 8; c < tail_end; ++c) tail[c - vecs * 8] = out[c0 + c];
         for (int64_t t = 0; t < L; ++t) {
-            const float* vt = v + rows[t] + c0;
+            const T* vt = v + rows[t] + c0;
             const __m256 pt = _mm256_set1_ps(p[t]);
-            for (int r = 0; r < vecs; ++r) acc[r] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * r), acc[r]);
-            for (int64_t c = vecs * 8; c < tail_end; ++c) tail[c - vecs * 8] += p[t] * vt[c];
+            for (int r = 0; r < vecs; ++r) acc[r] = _mm256_fmadd_ps(pt, load8(vt + 8 * r), acc[r]);
+            for (int64_t c = vecs * 8; c < tail_end; ++c) tail[c - vecs * 8] += p[t] * load1(vt + c);
         }
         for (int r = 0; r < vecs; ++r) _mm256_storeu_ps(out + c0 + 8 * r, acc[r]);
         for (int64_t c = vecs * 8; c < tail_end; ++c) out[c0 + c] = tail[c - vecs * 8];
@@ -337,20 +358,24 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
     at::parallel_for(0, B * KVH * C, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(G * chunk), buffer(bs * D), cscale(D), cmin(D);
         std::vector<int64_t> rows(bs);
-        // Rows of block `id` of K or V (main store m, residual store r) for head g: float32 where they lie, else dequantized.
-        auto block_rows = [&](const Store& m, const Store& r, int64_t id, int64_t n, int64_t g) -> const float* {
+        // Rows of block `id` of K or V (main store m, residual store r) for head g, handed to f as a typed pointer with
+        // `rows`: float caches where they lie, other formats dequantized into `buffer`.
+        auto with_block_rows = [&](const Store& m, const Store& r, int64_t id, int64_t n, int64_t g, auto&& f) {
             const Store& s = id >= num_main ? r : m;
             if (id >= num_main) id -= num_main;
-            if (s.format == F32) {
+            if (s.format <= BF16) {
                 for (int64_t o = 0; o < n; ++o) rows[o] = ((id * bs + o) * KVH + g) * D;
-                return reinterpret_cast<const float*>(s.data);
+                if (s.format == F32) f(reinterpret_cast<const float*>(s.data));
+                else if (s.format == F16) f(reinterpret_cast<const Half16*>(s.data));
+                else f(reinterpret_cast<const Brain16*>(s.data));
+                return;
             }
             if (s.format == INT2_CHANNEL) s.channel_meta(id, g, cscale.data(), cmin.data());
             for (int64_t o = 0; o < n; ++o) {
                 s.dequant_row(id, o, g, cscale.data(), cmin.data(), buffer.data() + o * D);
                 rows[o] = o * D;
             }
-            return buffer.data();
+            f(static_cast<const float*>(buffer.data()));
         };
         for (int64_t item = begin; item < end; ++item) {
             const int64_t b = item / (KVH * C), g = item / C % KVH, c = item % C;
@@ -363,9 +388,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
             for (int64_t t = t0, n; t < t1; t += n) {  // a window starts anywhere in a block: o rows of it are skipped
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
-                const float* base = block_rows(ks, rks, tp[b * W + t / bs], o + n, g);
-                for (int64_t h = 0; h < G; ++h)
-                    query_scores(qp + (b * H + g * G + h) * D, base, rows.data() + o, n, D, float(scale), scores.data() + h * chunk + t - t0);
+                with_block_rows(ks, rks, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
+                    for (int64_t h = 0; h < G; ++h)
+                        query_scores(qp + (b * H + g * G + h) * D, base, rows.data() + o, n, D, float(scale), scores.data() + h * chunk + t - t0);
+                });
             }
             for (int64_t h = 0; h < G; ++h) {
                 const auto [m, sum] = exp_scores(scores.data() + h * chunk, L);
@@ -375,9 +401,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
             for (int64_t t = t0, n; t < t1; t += n) {
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
-                const float* base = block_rows(vs, rvs, tp[b * W + t / bs], o + n, g);
-                for (int64_t h = 0; h < G; ++h)
-                    weighted_values(scores.data() + h * chunk + t - t0, base, rows.data() + o, n, D, part + h * (D + 2));
+                with_block_rows(vs, rvs, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
+                    for (int64_t h = 0; h < G; ++h)
+                        weighted_values(scores.data() + h * chunk + t - t0, base, rows.data() + o, n, D, part + h * (D + 2));
+                });
             }
             if (C == 1) {  // the whole context in one chunk: normalize here, no merge pass
                 for (int64_t h = 0; h < G; ++h) {
