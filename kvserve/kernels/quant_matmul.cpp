@@ -179,18 +179,18 @@ void dequantize_rows(int type, const uint8_t* w, const Layout& L, int64_t n0, in
 // Rows of x quantized per 32 values and laid out as the int8 kernels read them (kvq::Activations).
 struct Prepared {
     std::vector<int8_t> xa, xb;
-    std::vector<float> xs, xsum;
+    std::vector<float> xs, xm, xsum;
     std::vector<int32_t> corr, corr_b;
 
-    Activations view(int64_t groups) const {
-        return {xa.data(), xb.data(), xs.data(), corr.data(), corr_b.data(), xsum.data(), groups};
+    Activations view(int64_t rows) const {
+        return {xa.data(), xb.data(), xs.data(), corr.data(), corr_b.data(), xm.data(), xsum.data(), rows};
     }
 };
 
 void quantize_activations(int type, const float* x, int64_t M, int64_t K, Prepared& p) {
     const Info t = info(type);
     const int64_t units = K / 32, groups = (units + 3) / 4, n = M * groups;
-    p.xa.assign(64 * n, 0), p.xb.assign(64 * n, 0), p.xs.assign(16 * n, 0.0f), p.xsum.assign(4 * n, 0.0f);
+    p.xa.assign(64 * n, 0), p.xb.assign(64 * n, 0), p.xs.assign(16 * n, 0.0f), p.xm.assign(16 * n, 0.0f), p.xsum.assign(4 * n, 0.0f);
     p.corr.assign(16 * n, 0), p.corr_b.assign(t.per16 ? 16 * n : 0, 0);
     for (int64_t r = 0; r < M; ++r) {
         for (int64_t u = 0; u < units; ++u) {
@@ -208,7 +208,7 @@ void quantize_activations(int type, const float* x, int64_t M, int64_t K, Prepar
                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i), _mm256_cvtps_epi32(y));
             }
-            const int64_t i = r * groups + u / 4, p4 = u % 4;
+            const int64_t i = (u / 4) * M + r, p4 = u % 4;  // group-major (Activations::at)
             int32_t total = 0;
             for (int l = 0; l < 4; ++l) {
                 int32_t sa = 0, sb = 0;
@@ -217,6 +217,7 @@ void quantize_activations(int type, const float* x, int64_t M, int64_t K, Prepar
                     p.xb[64 * i + 16 * p4 + j] = static_cast<int8_t>(q[j + 16]), sb += q[j + 16];
                 }
                 p.xs[16 * i + 4 * p4 + l] = scale;
+                p.xm[16 * i + 4 * p4 + l] = scale * float(sa + sb);
                 p.corr[16 * i + 4 * p4 + l] = t.offset * (t.per16 ? sa : sa + sb);
                 if (t.per16) p.corr_b[16 * i + 4 * p4 + l] = t.offset * sb;
                 total += sa + sb;
@@ -287,7 +288,7 @@ void rows_int8_avx2(const uint8_t* w, const Layout& L, const Activations& a, int
             const __m256 s_lo = _mm256_setr_m128(_mm_set1_ps(s[2 * h].lo), _mm_set1_ps(s[2 * h + 1].lo));
             const __m256 s_hi = _mm256_setr_m128(_mm_set1_ps(s[2 * h].hi), _mm_set1_ps(s[2 * h + 1].hi));
             for (int r = 0; r < R; ++r) {
-                const int64_t i = (r0 + r) * a.groups + g;
+                const int64_t i = a.at(g, r0 + r);
                 const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xa + 64 * i + 32 * h));
                 const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xb + 64 * i + 32 * h));
                 const __m256 xs = _mm256_loadu_ps(a.xs + 16 * i + 8 * h);
@@ -314,7 +315,7 @@ void rows_int8_avx2(const uint8_t* w, const Layout& L, const Activations& a, int
         }
         if constexpr (t.min) {
             const __m128 m = _mm_setr_ps(s[0].min, s[1].min, s[2].min, s[3].min);
-            for (int r = 0; r < R; ++r) acc_min[r] = _mm_fmadd_ps(m, _mm_loadu_ps(a.xsum + 4 * ((r0 + r) * a.groups + g)), acc_min[r]);
+            for (int r = 0; r < R; ++r) acc_min[r] = _mm_fmadd_ps(m, _mm_loadu_ps(a.xsum + 4 * a.at(g, r0 + r)), acc_min[r]);
         }
     }
     for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + hsum(acc_min[r]);
@@ -451,7 +452,7 @@ void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* 
             for (int j = 0; j < 32; ++j) sums[i] += x[i * 32 + j];
     }
     // the buffers are this thread's: take their addresses here, not in the workers
-    const Activations a = prepared.view(L.groups);
+    const Activations a = prepared.view(M);
     const float* xsum = sums.data();
     const bool avx512 = int8_activations && use_avx512;
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {

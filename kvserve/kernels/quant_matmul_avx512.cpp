@@ -22,11 +22,11 @@ bool avx512_supported() {
 
 namespace {
 
-// A group's codes (low halves of its units, high halves), the scales of each int32 lane for both, and the mins.
+// A group's codes (low halves of its units, high halves), the scales of each int32 lane for both, and each lane's
+// unit's min.
 struct Group {
     __m512i lo, hi;
-    __m512 s_lo, s_hi;
-    __m128 min;
+    __m512 s_lo, s_hi, min;
 };
 
 // Lane l of a group's dot products covers unit l / 4: spread four per-unit values over 16 lanes.
@@ -68,7 +68,7 @@ inline Group load_group(const uint8_t* w, const Layout& L, int64_t g) {
     }
     if constexpr (!t.kquant) {
         G.s_lo = G.s_hi = spread(_mm_cvtph_ps(load_halves(w + L.scales + 8 * g, n)));
-        if constexpr (t.min) G.min = _mm_cvtph_ps(load_halves(w + L.mins + 8 * g, n));
+        if constexpr (t.min) G.min = spread(_mm_cvtph_ps(load_halves(w + L.mins + 8 * g, n)));
     } else if constexpr (t.per16) {  // eight scales, one per 16 weights: even ones for the low halves, odd for the high
         const float d = fp16(w + L.super_scales + 2 * (g / 2));  // a group never straddles 256 weights
         const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
@@ -81,28 +81,24 @@ inline Group load_group(const uint8_t* w, const Layout& L, int64_t g) {
         std::memcpy(&sc, w + L.scales + 4 * g, 4), std::memcpy(&mc, w + L.mins + 4 * g, 4);
         const float d = fp16(w + L.super_scales + 2 * (g / 2)), dmin = fp16(w + L.super_mins + 2 * (g / 2));
         G.s_lo = G.s_hi = spread(_mm_mul_ps(_mm_set1_ps(d), _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(sc))))));
-        G.min = _mm_mul_ps(_mm_set1_ps(-dmin), _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(mc)))));
+        G.min = spread(_mm_mul_ps(_mm_set1_ps(-dmin), _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(mc))))));
     }
     return G;
 }
 
-// Sums of the lanes of four vectors, as the first four floats of one (plus the min sums' four).
-inline __m128 reduce4(const __m512 v[4], const __m128 min[4]) {
+// Sums of the lanes of four vectors, as the first four floats of one.
+inline __m128 reduce4(const __m512 v[4]) {
     __m256 h[4];
     for (int i = 0; i < 4; ++i) h[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-    __m128 m0 = min[0], m1 = min[1], m2 = min[2], m3 = min[3];
-    _MM_TRANSPOSE4_PS(m0, m1, m2, m3);
-    const __m128 m = _mm_add_ps(_mm_add_ps(m0, m1), _mm_add_ps(m2, m3));
-    return _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)), m);
+    return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
 }
 
 // One vector's sum in reduce4's order, so that a row's result never depends on the rows computed beside it.
-inline float reduce(__m512 v, __m128 min) {
+inline float reduce(__m512 v) {
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h, h), _mm256_hadd_ps(h, h));
-    const __m128 m = _mm_hadd_ps(min, min);
-    return _mm_cvtss_f32(_mm_add_ss(_mm_add_ss(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)), _mm_add_ss(m, _mm_movehdup_ps(m))));
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)));
 }
 
 // C weight rows (from w, row_bytes apart) against R activation rows: out[r * ldo + c].
@@ -110,14 +106,14 @@ template <int TYPE, int R, int C>
 void tile(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, float* out, int64_t ldo) {
     constexpr Info t = info(TYPE);
     __m512 acc[R][C];
-    __m128 acc_min[R][C];
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps(), acc_min[r][c] = _mm_setzero_ps();
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t g = 0; g < L.groups; ++g) {
         Group G[C];
         for (int c = 0; c < C; ++c) G[c] = load_group<TYPE>(w + c * L.row_bytes, L, g);
+        const int64_t first = a.at(g, r0);  // the group's R activation rows, one after another
         for (int r = 0; r < R; ++r) {
-            const int64_t i = (r0 + r) * a.groups + g;
+            const int64_t i = first + r;
             const __m512i xa = _mm512_loadu_si512(a.xa + 64 * i), xb = _mm512_loadu_si512(a.xb + 64 * i);
             const __m512 xs = _mm512_loadu_ps(a.xs + 16 * i);
             const __m512i corr = _mm512_loadu_si512(a.corr + 16 * i);
@@ -133,15 +129,15 @@ void tile(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, f
                     if constexpr (t.offset != 0) d = _mm512_sub_epi32(d, corr);
                     acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(G[c].s_lo, xs), acc[r][c]);
                 }
-                if constexpr (t.min) acc_min[r][c] = _mm_fmadd_ps(G[c].min, _mm_loadu_ps(a.xsum + 4 * i), acc_min[r][c]);
+                if constexpr (t.min) acc[r][c] = _mm512_fmadd_ps(G[c].min, _mm512_loadu_ps(a.xm + 16 * i), acc[r][c]);
             }
         }
     }
     for (int r = 0; r < R; ++r) {
         if constexpr (C == 4) {
-            _mm_storeu_ps(out + r * ldo, reduce4(acc[r], acc_min[r]));
+            _mm_storeu_ps(out + r * ldo, reduce4(acc[r]));
         } else {
-            for (int c = 0; c < C; ++c) out[r * ldo + c] = reduce(acc[r][c], acc_min[r][c]);
+            for (int c = 0; c < C; ++c) out[r * ldo + c] = reduce(acc[r][c]);
         }
     }
 }

@@ -149,15 +149,19 @@ void matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, in
 
 // The int8-activation kernels' view of M rows of x, prepared once a call. Each row is quantized per 32 values
 // (scale = max|x| / 127, codes round(x / scale)) and laid out per group of four units to match the weight
-// codes: xa holds each unit's first 16 codes, xb its last 16 (byte 16p + j of a group: unit p's value j),
-// xs the scale of each 32-bit lane's unit (16 a group), corr the type's offset times each lane's sum of
-// codes (xa + xb, or apart for Q6_K: corr then corr_b), xsum each unit's sum of dequantized values.
+// codes, group-major (group g of row r at g * rows + r: a weight group's activation rows lie together):
+// xa holds each unit's first 16 codes, xb its last 16 (byte 16p + j of a group: unit p's value j), xs the
+// scale of each 32-bit lane's unit (16 a group), corr the type's offset times each lane's sum of codes (xa +
+// xb, or apart for Q6_K: corr then corr_b), xm each lane's sum of dequantized values (xa + xb: the min term,
+// m * sum x, summed lane by lane), xsum each unit's sum of dequantized values.
 struct Activations {
     const int8_t *xa, *xb;
     const float* xs;
     const int32_t *corr, *corr_b;
-    const float* xsum;
-    int64_t groups;
+    const float *xm, *xsum;
+    int64_t rows;
+
+    int64_t at(int64_t g, int64_t r) const { return g * rows + r; }
 };
 
 }  // namespace kvq
