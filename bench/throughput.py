@@ -2,7 +2,8 @@
 
 64 requests with prompt lengths drawn from 32-512 tokens, 128 new tokens each (greedy, ignore_eos), all
 submitted at once. Prints output tokens/s, p50/p99 time to first token and the share of allocated KV
-slots that held no token (averaged over steps), then the ratios, all measured in this one run.
+slots that held no token (averaged over steps), then the ratios, all measured in this one run; last, the FLOP/s
+the decode-only steps' matmuls reach, against an fp32 (and, where kvserve uses it, bf16) GEMM timed here.
 
 kvserve multiplies in bf16 where the CPU does so natively (matmul_dtype "auto"); `--matmul-dtype float32`
 and `--transformers-dtype bfloat16` compare like with like.
@@ -21,6 +22,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
+from kvserve.memory import load_spec
 from kvserve.models.loader import transformers_model
 from kvserve.models.registry import resolve_model_path
 
@@ -33,6 +35,17 @@ class Result:
     tokens_per_s: float
     ttft: list[float]
     kv_waste: float | None
+    decode_tokens_per_s: float | None = None  # over the steps that only decoded
+
+
+def gemm_flops(dtype: torch.dtype, n: int = 2048) -> float:
+    """FLOP/s of one n x n x n matmul on this machine in `dtype`: what its cores reach on dense math."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(3):
+        a @ b
+    return 3 * 2 * n**3 / (time.perf_counter() - start)
 
 
 def run_kvserve(name: str, llm: LLM, prompts: list[list[int]], new_tokens: int) -> Result:
@@ -41,15 +54,18 @@ def run_kvserve(name: str, llm: LLM, prompts: list[list[int]], new_tokens: int) 
     start = time.perf_counter()
     for prompt in prompts:
         engine.add_request(prompt, params)
-    outputs, allocated, held = [], 0, 0
+    outputs, allocated, held, decoded, decode_seconds = [], 0, 0, 0, 0.0
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
+        if not engine.last_step.prefill_tokens:
+            decoded, decode_seconds = decoded + engine.last_step.decode_tokens, decode_seconds + engine.last_step.seconds
         running = engine.scheduler.running
         allocated += sum(len(s.block_tables[0]) for s in running) * engine.config.block_size
         held += sum(s.num_computed_tokens for s in running)
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return Result(name, generated / seconds, [o.metrics.ttft for o in outputs], 1 - held / max(allocated, 1))
+    return Result(name, generated / seconds, [o.metrics.ttft for o in outputs], 1 - held / max(allocated, 1),
+                  decoded / decode_seconds if decode_seconds else None)
 
 
 def run_transformers(path, prompts: list[list[int]], new_tokens: int, batch_size: int, dtype: str) -> Result:
@@ -110,6 +126,10 @@ def main() -> None:
     print(f"ratio continuous / static:       {continuous / results[1].tokens_per_s:.2f}x")
     if len(results) > 2:
         print(f"ratio continuous / transformers: {continuous / results[2].tokens_per_s:.2f}x")
+    flops = 2 * load_spec(args.model).num_params() * results[0].decode_tokens_per_s  # the matmuls; attention left out
+    peaks = {"fp32": gemm_flops(torch.float32)} | ({"bf16": gemm_flops(torch.bfloat16)} if bf16 else {})
+    print(f"continuous decode-only steps: {results[0].decode_tokens_per_s:.1f} tok/s = {flops / 1e9:.0f} GFLOP/s of matmuls, "
+          + ", ".join(f"{flops / peak:.0%} of this machine's {name} GEMM ({peak / 1e9:.0f} GFLOP/s, 2048^3)" for name, peak in peaks.items()))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ A model with only full-attention layers has one group of all its layers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.errors import KVServeError
@@ -50,6 +50,10 @@ class KVLayout:
     residual_tokens: int = 0
     residual_format: KVFormat | None = None
     merge: MiniCache | None = None  # layer pairs from merge.start on share one K and one V store (one group only)
+    _block_bytes: tuple[int, int] = field(init=False, repr=False, compare=False)  # block_bytes(), block_bytes(residual=True)
+
+    def __post_init__(self):  # the engine asks for these figures every step (a request's KV bytes)
+        object.__setattr__(self, "_block_bytes", (self._count_block_bytes(False), self._count_block_bytes(True)))
 
     @property
     def layers_per_group(self) -> int:
@@ -65,7 +69,10 @@ class KVLayout:
 
     def block_bytes(self, residual: bool = False) -> int:
         """Bytes of one block: block_size tokens of every layer in one group (residual: of the residual pool)."""
-        if residual and not self.has_residual:
+        return self._block_bytes[residual]
+
+    def _count_block_bytes(self, residual: bool) -> int:
+        if residual and (not self.has_residual or self.residual_format is None):
             return 0
         spec, bs = self.groups[0].spec, self.block_size
         k, v = (self.residual_format, self.residual_format) if residual else (self.k_format, self.v_format)
