@@ -57,10 +57,13 @@ class Linear(nn.Linear):
         return torch.mm(self.weight, x.t()).t().contiguous()
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty(x.shape[0], self.out_features)
-        xc = x.to(self.gemm_dtype)
+        xc, out = x.to(self.gemm_dtype), None
         for first, tile in self.qweight.tiles(self.gemm_dtype):
-            out[:, first:first + tile.shape[0]] = F.linear(xc, tile)
+            y = F.linear(xc, tile)
+            if tile.shape[0] == self.out_features:  # the whole weight in one tile: its product is the output
+                return y.to(x.dtype)
+            out = x.new_empty(x.shape[0], self.out_features) if out is None else out
+            out[:, first:first + tile.shape[0]] = y
         return out
 
     def use_quantized(self, weight: QuantizedWeight) -> None:

@@ -17,7 +17,7 @@ from kvserve.kernels import native_ops
 
 # The GGUF types kvserve.kernels multiply in place (ggml type ids).
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-TILE_BYTES = 4 << 20  # prefill dequantizes this much of a weight at a time (cache-sized, reused buffer-sized)
+TILE_BYTES = 8 << 20  # prefill dequantizes this much of a weight at a time (into one reused buffer; L3-sized)
 
 
 def packed_row_bytes(qtype: str, cols: int) -> int:
