@@ -158,20 +158,9 @@ void dequantize_row(const uint8_t* row, const Layout& L, T* out) {
 
 template <typename T>
 void dequantize_rows(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, T* out) {
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = w + n * L.row_bytes;
-        T* o = out + n * L.K;
-        switch (type) {
-            case Q4_0: dequantize_row<Q4_0>(row, L, o); break;
-            case Q4_1: dequantize_row<Q4_1>(row, L, o); break;
-            case Q5_0: dequantize_row<Q5_0>(row, L, o); break;
-            case Q5_1: dequantize_row<Q5_1>(row, L, o); break;
-            case Q8_0: dequantize_row<Q8_0>(row, L, o); break;
-            case Q4_K: dequantize_row<Q4_K>(row, L, o); break;
-            case Q5_K: dequantize_row<Q5_K>(row, L, o); break;
-            default: dequantize_row<Q6_K>(row, L, o); break;
-        }
-    }
+    with_type(type, [&]<int TYPE>() {
+        for (int64_t n = n0; n < n1; ++n) dequantize_row<TYPE>(w + n * L.row_bytes, L, out + n * L.K);
+    });
 }
 
 // ---- activations ----
@@ -377,16 +366,7 @@ void matmul_rows_avx2(const Activations& a, const float* x, const float* xsum, c
 template <bool INT8>
 void matmul_rows_avx2(int type, const Activations& a, const float* x, const float* xsum, const uint8_t* w, const Layout& L,
                       int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-    switch (type) {
-        case Q4_0: return matmul_rows_avx2<Q4_0, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
-        case Q4_1: return matmul_rows_avx2<Q4_1, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
-        case Q5_0: return matmul_rows_avx2<Q5_0, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
-        case Q5_1: return matmul_rows_avx2<Q5_1, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
-        case Q8_0: return matmul_rows_avx2<Q8_0, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
-        case Q4_K: return matmul_rows_avx2<Q4_K, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
-        case Q5_K: return matmul_rows_avx2<Q5_K, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
-        default: return matmul_rows_avx2<Q6_K, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo);
-    }
+    with_type(type, [&]<int TYPE>() { matmul_rows_avx2<TYPE, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo); });
 }
 
 Layout checked_layout(int64_t type, int64_t K) {

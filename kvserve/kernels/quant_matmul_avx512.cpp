@@ -212,20 +212,9 @@ void dequantize_row(const uint8_t* w, const Layout& L, T* out) {
 
 template <typename T>
 void dequantize(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, T* out) {
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = w + n * L.row_bytes;
-        T* o = out + n * L.K;
-        switch (type) {
-            case Q4_0: dequantize_row<Q4_0>(row, L, o); break;
-            case Q4_1: dequantize_row<Q4_1>(row, L, o); break;
-            case Q5_0: dequantize_row<Q5_0>(row, L, o); break;
-            case Q5_1: dequantize_row<Q5_1>(row, L, o); break;
-            case Q8_0: dequantize_row<Q8_0>(row, L, o); break;
-            case Q4_K: dequantize_row<Q4_K>(row, L, o); break;
-            case Q5_K: dequantize_row<Q5_K>(row, L, o); break;
-            default: dequantize_row<Q6_K>(row, L, o); break;
-        }
-    }
+    with_type(type, [&]<int TYPE>() {
+        for (int64_t n = n0; n < n1; ++n) dequantize_row<TYPE>(w + n * L.row_bytes, L, out + n * L.K);
+    });
 }
 
 }  // namespace
@@ -240,16 +229,7 @@ void dequantize_rows_avx512(int type, const uint8_t* w, const Layout& L, int64_t
 
 void matmul_rows_avx512(int type, const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1,
                         float* out, int64_t ldo) {
-    switch (type) {
-        case Q4_0: return matmul_rows<Q4_0>(a, w, L, M, n0, n1, out, ldo);
-        case Q4_1: return matmul_rows<Q4_1>(a, w, L, M, n0, n1, out, ldo);
-        case Q5_0: return matmul_rows<Q5_0>(a, w, L, M, n0, n1, out, ldo);
-        case Q5_1: return matmul_rows<Q5_1>(a, w, L, M, n0, n1, out, ldo);
-        case Q8_0: return matmul_rows<Q8_0>(a, w, L, M, n0, n1, out, ldo);
-        case Q4_K: return matmul_rows<Q4_K>(a, w, L, M, n0, n1, out, ldo);
-        case Q5_K: return matmul_rows<Q5_K>(a, w, L, M, n0, n1, out, ldo);
-        default: return matmul_rows<Q6_K>(a, w, L, M, n0, n1, out, ldo);
-    }
+    with_type(type, [&]<int TYPE>() { matmul_rows<TYPE>(a, w, L, M, n0, n1, out, ldo); });
 }
 
 #pragma GCC pop_options

@@ -48,6 +48,21 @@ constexpr Info info(int type) {
     }
 }
 
+// f.template operator()<TYPE>() for a run-time type id: the one place a type id becomes a template argument.
+template <typename F>
+inline void with_type(int type, F&& f) {
+    switch (type) {
+        case Q4_0: return f.template operator()<Q4_0>();
+        case Q4_1: return f.template operator()<Q4_1>();
+        case Q5_0: return f.template operator()<Q5_0>();
+        case Q5_1: return f.template operator()<Q5_1>();
+        case Q8_0: return f.template operator()<Q8_0>();
+        case Q4_K: return f.template operator()<Q4_K>();
+        case Q5_K: return f.template operator()<Q5_K>();
+        default: return f.template operator()<Q6_K>();
+    }
+}
+
 // Byte offsets of a packed row's planes.
 struct Layout {
     int64_t K, units, groups, supers;
