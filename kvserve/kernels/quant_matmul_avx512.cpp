@@ -154,22 +154,17 @@ inline void prefetch(const uint8_t* begin, const uint8_t* end) {
 template <int TYPE, int R>
 void rows(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, int64_t n0, int64_t n1, float* out, int64_t ldo) {
     int64_t n = n0;
-    if constexpr (R == 1)
-        for (; n + 4 <= n1; n += 4) {
-            prefetch(w + (n + AHEAD) * L.row_bytes, w + (n + AHEAD + 4 < n1 ? n + AHEAD + 4 : n1) * L.row_bytes);
-            tile<TYPE, 1, 4>(w + n * L.row_bytes, L, a, r0, out + r0 * ldo + n, ldo);
-        }
+    for (; n + 4 <= n1; n += 4) {
+        prefetch(w + (n + AHEAD) * L.row_bytes, w + (n + AHEAD + 4 < n1 ? n + AHEAD + 4 : n1) * L.row_bytes);
+        tile<TYPE, R, 4>(w + n * L.row_bytes, L, a, r0, out + r0 * ldo + n, ldo);
+    }
     for (; n < n1; ++n) tile<TYPE, R, 1>(w + n * L.row_bytes, L, a, r0, out + r0 * ldo + n, ldo);
 }
 
 template <int TYPE>
 void matmul_rows(const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-    for (int64_t r = 0; r < M; r += 8) {
-        switch (M - r < 8 ? M - r : 8) {
-            case 8: rows<TYPE, 8>(w, L, a, r, n0, n1, out, ldo); break;
-            case 7: rows<TYPE, 7>(w, L, a, r, n0, n1, out, ldo); break;
-            case 6: rows<TYPE, 6>(w, L, a, r, n0, n1, out, ldo); break;
-            case 5: rows<TYPE, 5>(w, L, a, r, n0, n1, out, ldo); break;
+    for (int64_t r = 0; r < M; r += 4) {  // four activation rows against four weight rows: 16 accumulators
+        switch (M - r < 4 ? M - r : 4) {
             case 4: rows<TYPE, 4>(w, L, a, r, n0, n1, out, ldo); break;
             case 3: rows<TYPE, 3>(w, L, a, r, n0, n1, out, ldo); break;
             case 2: rows<TYPE, 2>(w, L, a, r, n0, n1, out, ldo); break;

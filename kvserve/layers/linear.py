@@ -15,11 +15,11 @@ from kvserve.layers.quantized import QuantizedWeight
 
 # Up to this many rows the kernels beat dequantizing the weight for a GEMM: fp32 activations against fp32 tiles;
 # int8 activations against fp32 tiles, and against bf16 ones. Measured on a 2-core Zen 5 (AVX-512 VNNI and BF16),
-# all of SmolLM2's layers: fp32 kernel 28 ms / fp32 tiles 31 ms at 16 rows, 46 / 38 at 24; int8 kernel 47 / fp32
-# tiles 74 at 64; int8 kernel 12.0 / bf16 tiles 13.7 at 16, 17.6 / 15.0 at 24.
+# all of SmolLM2's layers: fp32 kernel 28 ms / fp32 tiles 31 ms at 16 rows, 46 / 38 at 24; int8 kernel 41 / fp32
+# tiles 76 at 64; int8 kernel 15.3 / bf16 tiles 16.4 at 24, 19.6 / 17.0 at 32.
 MAX_KERNEL_ROWS = 16
 MAX_KERNEL_ROWS_INT8 = 64
-MAX_KERNEL_ROWS_BF16 = 16
+MAX_KERNEL_ROWS_BF16 = 24
 # For a few rows against a wide weight, MKL's x @ W^T takes a slow path (4 rows x the 49152-wide head: 42 ms),
 # while W @ x^T, the same numbers, is fast (9 ms); past this many rows x @ W^T catches up.
 MAX_TRANSPOSED_ROWS = 256
