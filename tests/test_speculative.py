@@ -28,7 +28,7 @@ class OracleProposer(Proposer):
     lengths are chosen."""
 
     def __init__(self, reference: dict[tuple, list[int]], k: int, rng: random.Random | None = None):
-        super().__init__(k, min_acceptance=0, window=1)
+        super().__init__(k, min_acceptance=0, window=1, max_batch=64)  # batches verify guesses too
         self.reference, self.rng = reference, rng
         self.expected_accepted = self.proposed = 0
 
@@ -383,3 +383,15 @@ def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
     plain_out, spec_out = target.generate(prompts, greedy(24), use_tqdm=False), spec.generate(prompts, greedy(24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec_out] == [o.outputs[0].token_ids for o in plain_out]
     assert sum(o.metrics.num_accepted_tokens for o in spec_out) > 0
+
+
+def test_no_guesses_in_a_step_of_more_than_max_batch_decodes(tiny_model_dir):
+    """ngram:max_batch=1: two requests decoding together get no guesses; one alone does (its text repeats)."""
+    llm = LLM(str(tiny_model_dir), speculative="ngram:max_batch=1", **FP32)
+    prompt = [5, 6, 7, 8] * 8
+    alone = llm.generate([prompt], greedy(16), use_tqdm=False)[0]
+    together = llm.generate([prompt, prompt[1:]], greedy(16), use_tqdm=False)
+    assert alone.metrics.num_draft_tokens > 0
+    assert sum(o.metrics.num_draft_tokens for o in together) == 0
+    with pytest.raises(KVServeError, match="max_batch >= 1"):
+        LLM(str(tiny_model_dir), speculative="ngram:max_batch=0")

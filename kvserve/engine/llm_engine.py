@@ -245,6 +245,8 @@ class LLMEngine:
         after the last guess comes too)."""
         seqs, limits = [], []
         self.proposer.begin_step()
+        if sum(seq.num_uncomputed_tokens == 1 for seq in self.scheduler.running) > self.proposer.max_batch:
+            return  # a batch this large is compute-bound: guesses would cost what they save
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens == 1 and seq.params.max_tokens:
                 room = min(seq.params.max_tokens - len(seq.output_token_ids), seq.token_limit - seq.num_tokens) - 1

@@ -21,7 +21,7 @@ from kvserve.kv.spec import build_layout
 from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import Checkpoint, open_checkpoint
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.proposer import Proposer, check_ints
+from kvserve.spec_decode.proposer import MAX_BATCH, Proposer, check_ints
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 
@@ -29,8 +29,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=1)
 class ModelProposer(Proposer):
     shared_gate = True
 
-    def __init__(self, k: int, min_acceptance: int, window: int):
-        super().__init__(k, min_acceptance, window)
+    def __init__(self, k: int, min_acceptance: int, window: int, max_batch: int):
+        super().__init__(k, min_acceptance, window, max_batch)
         self.runner: ModelRunner | None = None
         self.kv: KVManager | None = None
 
@@ -95,8 +95,8 @@ class ModelProposer(Proposer):
 
 
 class DraftProposer(ModelProposer):
-    def __init__(self, model: str = "", k: int = 4, min_acceptance: int = 50, window: int = 16):
-        super().__init__(k, min_acceptance, window)
+    def __init__(self, model: str = "", k: int = 4, min_acceptance: int = 50, window: int = 16, max_batch: int = MAX_BATCH):
+        super().__init__(k, min_acceptance, window, max_batch)
         if not model or not isinstance(model, str):
             raise KVServeError("the draft proposer needs model=PATH (a Hugging Face directory or .gguf file)")
         self.model = model
@@ -107,8 +107,8 @@ class DraftProposer(ModelProposer):
 
 
 class SelfProposer(ModelProposer):
-    def __init__(self, layers: int = 0, k: int = 3, min_acceptance: int = 50, window: int = 16):
-        super().__init__(k, min_acceptance, window)
+    def __init__(self, layers: int = 0, k: int = 3, min_acceptance: int = 50, window: int = 16, max_batch: int = MAX_BATCH):
+        super().__init__(k, min_acceptance, window, max_batch)
         check_ints(layers=layers)
         self.layers = layers
 
