@@ -150,27 +150,28 @@ inline void prefetch(const uint8_t* begin, const uint8_t* end) {
     for (const uint8_t* p = begin; p < end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
-// R activation rows against the weight rows [n0, n1): four weight rows a pass for a single activation row.
-template <int TYPE, int R>
-void rows(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
-        prefetch(w + (n + AHEAD) * L.row_bytes, w + (n + AHEAD + 4 < n1 ? n + AHEAD + 4 : n1) * L.row_bytes);
-        tile<TYPE, R, 4>(w + n * L.row_bytes, L, a, r0, out + r0 * ldo + n, ldo);
+// Four weight rows (C = 4) or one (C = 1) against all M activation rows, four at a time: a weight row is read from
+// memory once, however many rows multiply it.
+template <int TYPE, int C>
+void tiles(const uint8_t* w, const Layout& L, const Activations& a, int64_t M, float* out, int64_t ldo) {
+    for (int64_t r = 0; r < M; r += 4) {
+        switch (M - r < 4 ? M - r : 4) {
+            case 4: tile<TYPE, 4, C>(w, L, a, r, out + r * ldo, ldo); break;
+            case 3: tile<TYPE, 3, C>(w, L, a, r, out + r * ldo, ldo); break;
+            case 2: tile<TYPE, 2, C>(w, L, a, r, out + r * ldo, ldo); break;
+            default: tile<TYPE, 1, C>(w, L, a, r, out + r * ldo, ldo); break;
+        }
     }
-    for (; n < n1; ++n) tile<TYPE, R, 1>(w + n * L.row_bytes, L, a, r0, out + r0 * ldo + n, ldo);
 }
 
 template <int TYPE>
 void matmul_rows(const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-    for (int64_t r = 0; r < M; r += 4) {  // four activation rows against four weight rows: 16 accumulators
-        switch (M - r < 4 ? M - r : 4) {
-            case 4: rows<TYPE, 4>(w, L, a, r, n0, n1, out, ldo); break;
-            case 3: rows<TYPE, 3>(w, L, a, r, n0, n1, out, ldo); break;
-            case 2: rows<TYPE, 2>(w, L, a, r, n0, n1, out, ldo); break;
-            default: rows<TYPE, 1>(w, L, a, r, n0, n1, out, ldo); break;
-        }
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        prefetch(w + (n + AHEAD) * L.row_bytes, w + (n + AHEAD + 4 < n1 ? n + AHEAD + 4 : n1) * L.row_bytes);
+        tiles<TYPE, 4>(w + n * L.row_bytes, L, a, M, out + n, ldo);
     }
+    for (; n < n1; ++n) tiles<TYPE, 1>(w + n * L.row_bytes, L, a, M, out + n, ldo);
 }
 
 inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
