@@ -114,6 +114,11 @@ def test_unsupported_type_and_mismatched_rows_are_clear_errors():
     w, _ = packed(T.Q4_1, 4, 64)
     with pytest.raises(RuntimeError, match="expected packed rows of 20 bytes"):
         native_ops().gguf_matmul(torch.randn(1, 32), w, int(T.Q4_1))
+    parts = ([w], [int(T.Q4_1)])  # rows of 64 weights, against x of 32: the fused layer ops check them as gguf_matmul does
+    layer = torch.classes.kvserve.DecodeLayer(torch.ones(32), 1e-6, *parts, None, torch.ones(32), 1e-6, *parts, None, *parts, *parts,
+                                              False, 1, 1, 1.0)
+    with pytest.raises(RuntimeError, match="expected packed rows of 20 bytes"):
+        layer.pre(torch.randn(1, 32), torch.ones(1, 1, 2), torch.zeros(1, 1, 2))
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])

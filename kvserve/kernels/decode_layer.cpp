@@ -43,8 +43,10 @@ struct Linear {
     }
 
     void check(int64_t K) const {
-        for (size_t i = 0; i < parts.size(); ++i)
-            TORCH_CHECK(K % kvq::info(types[i]).block_weights == 0, "a row of ", K, " weights is not whole blocks of type ", types[i]);
+        for (size_t i = 0; i < parts.size(); ++i) {
+            const int64_t row_bytes = kvq::checked_layout(types[i], K).row_bytes;
+            TORCH_CHECK(tensors[i].size(1) == row_bytes, "weights do not match K=", K, ": expected packed rows of ", row_bytes, " bytes");
+        }
     }
 
     // out [T, this->out] = x [T, K] @ W.T (+ bias)

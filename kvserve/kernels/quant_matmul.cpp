@@ -369,13 +369,13 @@ void matmul_rows_avx2(int type, const Activations& a, const float* x, const floa
     with_type(type, [&]<int TYPE>() { matmul_rows_avx2<TYPE, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo); });
 }
 
-Layout checked_layout(int64_t type, int64_t K) {
+}  // namespace
+
+Layout kvq::checked_layout(int64_t type, int64_t K) {
     TORCH_CHECK(supported(static_cast<int>(type)), "GGUF type ", type, " has no kvserve kernel");
     TORCH_CHECK(K > 0 && K % info(static_cast<int>(type)).block_weights == 0, "a row of ", K, " weights is not whole blocks of type ", type);
     return layout(static_cast<int>(type), K);
 }
-
-}  // namespace
 
 // A GGUF tensor's rows [N, row bytes] -> the kernels' layout [N, packed row bytes].
 at::Tensor gguf_pack(const at::Tensor& raw, int64_t type) {

@@ -157,6 +157,10 @@ inline __m256i unit_values(int type, const uint8_t* row, const Layout& L, int64_
     return t.offset ? _mm256_sub_epi8(c, _mm256_set1_epi8(static_cast<char>(t.offset))) : c;
 }
 
+// The layout of rows of K weights of `type`, after checking (TORCH_CHECK) that a kernel reads the type and that
+// K is whole blocks of it (quant_matmul.cpp).
+Layout checked_layout(int64_t type, int64_t K);
+
 // out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows of `type`, with int8-quantized
 // activations or fp32 ones (quant_matmul.cpp; for the fused layer ops too).
 void matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
