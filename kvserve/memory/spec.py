@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvserve.errors import KVServeError
+from kvserve.errors import KVServeError, ModelNotFoundError
 from kvserve.layers.quantized import resident_bytes
 
 
@@ -206,7 +206,6 @@ def load_spec(source: str) -> ModelSpec:
     """A preset name, a built-in model, a config.json, a model directory or a GGUF file -> ModelSpec. A built-in
     model is read from its GGUF file where its package is installed (its weights' bytes are then known), else from
     its preset."""
-    from kvserve.errors import ModelNotFoundError
     from kvserve.models.registry import BUILTIN_MODELS, resolve_model_path
 
     if source in BUILTIN_MODELS:
