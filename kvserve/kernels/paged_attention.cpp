@@ -30,12 +30,6 @@ namespace {
 enum Format { F32 = 0, F16 = 1, BF16 = 2, E4M3 = 3, E5M2 = 4, INT8 = 5, INT4 = 6, INT2_TOKEN = 7, INT2_CHANNEL = 8 };
 constexpr int64_t GROUP = 32;  // values per scale along head_dim
 
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // Values as a float cache stores them: fp32, fp16 or bf16, read in place and widened in registers.
 struct Half16 { uint16_t bits; };
 struct Brain16 { uint16_t bits; };

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "quants.h"
+#include "simd.h"
 #include "timer.h"
 
 namespace kvq {
@@ -217,17 +218,6 @@ void quantize_activations(int type, const float* x, int64_t M, int64_t K, Prepar
 }
 
 // ---- AVX2 kernels: one weight row against R activation rows ----
-
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-inline float hsum(__m128 s) {
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 inline __m256i load_bytes(const uint8_t* p, int valid) {  // 32 bytes, or 16 and zeros
     return valid == 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))

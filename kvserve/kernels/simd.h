@@ -16,3 +16,10 @@ inline __m256 exp_ps(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
 
+// The sum of a vector's lanes.
+inline float hsum(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hsum(__m256 v) { return hsum(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
