@@ -126,6 +126,8 @@ def main() -> None:
     print(f"ratio continuous / static:       {continuous / results[1].tokens_per_s:.2f}x")
     if len(results) > 2:
         print(f"ratio continuous / transformers: {continuous / results[2].tokens_per_s:.2f}x")
+    if results[0].decode_tokens_per_s is None:  # every step prefilled too (--new-tokens 1)
+        return
     flops = 2 * load_spec(args.model).num_params() * results[0].decode_tokens_per_s  # the matmuls; attention left out
     peaks = {"fp32": gemm_flops(torch.float32)} | ({"bf16": gemm_flops(torch.bfloat16)} if bf16 else {})
     print(f"continuous decode-only steps: {results[0].decode_tokens_per_s:.1f} tok/s = {flops / 1e9:.0f} GFLOP/s of matmuls, "
