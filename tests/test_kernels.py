@@ -121,14 +121,14 @@ def test_unsupported_type_and_mismatched_rows_are_clear_errors():
         layer.pre(torch.randn(1, 32), torch.ones(1, 1, 2), torch.zeros(1, 1, 2))
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("dim", [20, 64, 72])  # vectors and a scalar tail; one register tile; two tiles
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1), (10, 2)], ids=["mha", "gqa", "mqa", "gqa5"])
+@pytest.mark.parametrize("dim", [20, 64, 72, 128])  # vectors and a scalar tail; one register tile; two (AVX-512: 64 and 128)
 @pytest.mark.parametrize("window", [0, 5, 9])  # 0: none; windows that start mid-block
-def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim, window):
+def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim, window, isa):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    block_size, lens = 8, [1, 7, 8, 23]  # lengths end mid-block and on a block boundary, with 8-key chunks and tails
-    k_cache, v_cache = (torch.randn(16, block_size, kv_heads, dim, generator=g) for _ in range(2))
-    tables = torch.randperm(16, generator=g)[:12].view(len(lens), 3)  # scattered, non-contiguous blocks
+    block_size, lens = 16, [1, 7, 16, 23, 50]  # lengths end mid-block and on a block boundary, with 16-key runs and tails
+    k_cache, v_cache = (torch.randn(24, block_size, kv_heads, dim, generator=g) for _ in range(2))
+    tables = torch.randperm(24, generator=g)[:20].view(len(lens), 4)  # scattered, non-contiguous blocks
     if window:  # blocks wholly before the window are never read: point them past the pool
         for b, n in enumerate(lens):
             tables[b, :max(0, n - window) // block_size] = 10**6
@@ -136,7 +136,7 @@ def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim, window):
     out = native_ops().paged_decode_attention(q, [k_cache], [v_cache], tables, torch.tensor(lens), 0.3, 0, 0, [], [], 0, window)
     for b, n in enumerate(lens):
         first = max(0, n - window) if window else 0
-        keys, values = (c[tables[b].clamp(max=15)].flatten(0, 1)[first:n].transpose(0, 1) for c in (k_cache, v_cache))
+        keys, values = (c[tables[b].clamp(max=23)].flatten(0, 1)[first:n].transpose(0, 1) for c in (k_cache, v_cache))
         expected = F.scaled_dot_product_attention(q[b, :, None], keys, values, scale=0.3, enable_gqa=True)[:, 0]
         torch.testing.assert_close(out[b], expected, rtol=1e-5, atol=1e-5)
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = ["quant_matmul.cpp", "quant_matmul_avx512.cpp", "decode_layer.cpp", "paged_attention.cpp", "pointwise.cpp"]
+SOURCES = ["quant_matmul.cpp", "quant_matmul_avx512.cpp", "decode_layer.cpp", "paged_attention.cpp", "paged_attention_avx512.cpp",
+           "pointwise.cpp"]
 
 
 @functools.cache

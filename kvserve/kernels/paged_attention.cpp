@@ -1,6 +1,6 @@
 // Decode attention straight from the paged KV cache: each sequence's one query attends to its first
 // context_len positions, reading K/V in place through its block table, with no gathered copy and no
-// padding to the longest sequence. One task per (sequence, KV head) covers that head's query group.
+// padding to the longest sequence.
 //
 // K and V may be stored in any kvserve.kv format: float rows (fp32, fp16, bf16) are read where they lie and
 // widened in registers; other formats are dequantized a block at a time into a small buffer that stays in L1,
@@ -24,6 +24,16 @@
 #include <optional>
 #include <vector>
 
+namespace kvq {
+bool avx512_enabled();  // quant_matmul.cpp: the CPU has AVX-512 VNNI and KVSERVE_ISA does not force AVX2
+}
+namespace kva {  // paged_attention_avx512.cpp: float rows of format 0-2, head_dim a multiple of 64
+void scores_avx512(int format, const float* q, int64_t heads, const void* k, const int64_t* rows, int64_t n, int64_t D, float scale,
+                   float* out, int64_t out_stride);
+void values_avx512(int format, const float* p, int64_t p_stride, int64_t heads, const void* v, const int64_t* rows, int64_t n, int64_t D,
+                   float* out, int64_t out_stride);
+}  // namespace kva
+
 namespace {
 
 // kvserve.kv.formats codes
@@ -39,6 +49,10 @@ inline __m256 load8(const Half16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(re
 inline __m256 load8(const Brain16* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+constexpr int format_of(const float*) { return F32; }
+constexpr int format_of(const Half16*) { return F16; }
+constexpr int format_of(const Brain16*) { return BF16; }
+
 inline float load1(const float* p) { return *p; }
 inline float load1(const Half16* p) { return _cvtsh_ss(p->bits); }
 inline float load1(const Brain16* p) {
@@ -339,18 +353,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
         for (int64_t j = first_key(b) / bs; j < (lp[b] + bs - 1) / bs; ++j)
             TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < num_main + num_residual, "block id out of range");
     }
-    // Flash-decoding: when there are fewer (sequence, KV head) pairs than threads can share well, each one's
-    // context is split into chunks of whole blocks; every chunk keeps its own softmax max and sum, merged at the end.
+    // One task per (sequence, chunk of its context) covers every head, a block at a time, so each block's rows are
+    // read whole and in order. Flash-decoding: with fewer sequences than threads can share well, a context is split
+    // into chunks of whole blocks; every chunk keeps its own softmax max and sum per head, merged at the end.
     const int64_t G = H / KVH;
-    const int64_t splits = std::min(ceil_div(4 * at::get_num_threads(), B * KVH), ceil_div(max_len, 16 * bs));
+    const bool wide = kvq::avx512_enabled() && D % 64 == 0;
+    const int64_t splits = std::min(ceil_div(4 * at::get_num_threads(), B), ceil_div(max_len, 16 * bs));
     const int64_t chunk = ceil_div(ceil_div(max_len, splits), bs) * bs;
     const int64_t C = ceil_div(max_len, chunk);
-    at::Tensor partial = at::empty({B, KVH, C, G, D + 2}, q.options());  // per chunk and query head: output, max, sum
+    at::Tensor partial = at::empty({B, C, H, D + 2}, q.options());  // per chunk and query head: output, max, sum
     at::Tensor out = at::empty_like(q);
     const float* qp = q.data_ptr<float>();
     float *pp = partial.data_ptr<float>(), *op = out.data_ptr<float>();
-    at::parallel_for(0, B * KVH * C, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(G * chunk), buffer(bs * D), cscale(D), cmin(D);
+    at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(H * chunk), buffer(bs * D), cscale(D), cmin(D);
         std::vector<int64_t> rows(bs);
         // Rows of block `id` of K or V (main store m, residual store r) for head g, handed to f as a typed pointer with
         // `rows`: float caches where they lie, other formats dequantized into `buffer`.
@@ -372,22 +388,26 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
             f(static_cast<const float*>(buffer.data()));
         };
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t b = item / (KVH * C), g = item / C % KVH, c = item % C;
+            const int64_t b = item / C, c = item % C;
             const int64_t t0 = first_key(b) + c * chunk, t1 = std::min(lp[b], t0 + chunk), L = t1 - t0;
-            float* part = pp + item * G * (D + 2);
+            float* part = pp + item * H * (D + 2);
             if (L <= 0) {  // this sequence is shorter: the chunk adds nothing
-                for (int64_t h = 0; h < G; ++h) part[h * (D + 2) + D + 1] = 0.0f, part[h * (D + 2) + D] = -INFINITY;
+                for (int64_t h = 0; h < H; ++h) part[h * (D + 2) + D + 1] = 0.0f, part[h * (D + 2) + D] = -INFINITY;
                 continue;
             }
             for (int64_t t = t0, n; t < t1; t += n) {  // a window starts anywhere in a block: o rows of it are skipped
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
-                with_block_rows(ks, rks, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
-                    for (int64_t h = 0; h < G; ++h)
-                        query_scores(qp + (b * H + g * G + h) * D, base, rows.data() + o, n, D, float(scale), scores.data() + h * chunk + t - t0);
-                });
+                for (int64_t g = 0; g < KVH; ++g)
+                    with_block_rows(ks, rks, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
+                        float* s = scores.data() + g * G * chunk + t - t0;
+                        if (wide) kva::scores_avx512(format_of(base), qp + (b * H + g * G) * D, G, base, rows.data() + o, n, D, float(scale), s, chunk);
+                        else
+                            for (int64_t h = 0; h < G; ++h)
+                                query_scores(qp + (b * H + g * G + h) * D, base, rows.data() + o, n, D, float(scale), s + h * chunk);
+                    });
             }
-            for (int64_t h = 0; h < G; ++h) {
+            for (int64_t h = 0; h < H; ++h) {
                 const auto [m, sum] = exp_scores(scores.data() + h * chunk, L);
                 std::fill(part + h * (D + 2), part + h * (D + 2) + D, 0.0f);
                 part[h * (D + 2) + D] = m, part[h * (D + 2) + D + 1] = sum;
@@ -395,15 +415,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
             for (int64_t t = t0, n; t < t1; t += n) {
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
-                with_block_rows(vs, rvs, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
-                    for (int64_t h = 0; h < G; ++h)
-                        weighted_values(scores.data() + h * chunk + t - t0, base, rows.data() + o, n, D, part + h * (D + 2));
-                });
+                for (int64_t g = 0; g < KVH; ++g)
+                    with_block_rows(vs, rvs, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
+                        const float* p = scores.data() + g * G * chunk + t - t0;
+                        if (wide) kva::values_avx512(format_of(base), p, chunk, G, base, rows.data() + o, n, D, part + g * G * (D + 2), D + 2);
+                        else
+                            for (int64_t h = 0; h < G; ++h) weighted_values(p + h * chunk, base, rows.data() + o, n, D, part + (g * G + h) * (D + 2));
+                    });
             }
             if (C == 1) {  // the whole context in one chunk: normalize here, no merge pass
-                for (int64_t h = 0; h < G; ++h) {
+                for (int64_t h = 0; h < H; ++h) {
                     const float inv = 1.0f / part[h * (D + 2) + D + 1];
-                    float* o = op + (b * H + g * G + h) * D;
+                    float* o = op + (b * H + h) * D;
                     for (int64_t i = 0; i < D; ++i) o[i] = part[h * (D + 2) + i] * inv;
                 }
             }
@@ -412,14 +435,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
     if (C == 1) return out;
     at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
         for (int64_t bh = begin; bh < end; ++bh) {
-            const int64_t b = bh / H, g = bh % H / G, h = bh % G;
-            const float* first = pp + ((b * KVH + g) * C * G + h) * (D + 2);  // chunk c at first + c * G * (D + 2)
+            const float* first = pp + (bh / H * C * H + bh % H) * (D + 2);  // chunk c at first + c * H * (D + 2)
             float m = -INFINITY, sum = 0.0f;
-            for (int64_t c = 0; c < C; ++c) m = std::max(m, first[c * G * (D + 2) + D]);
+            for (int64_t c = 0; c < C; ++c) m = std::max(m, first[c * H * (D + 2) + D]);
             float* o = op + bh * D;
             std::fill(o, o + D, 0.0f);
             for (int64_t c = 0; c < C; ++c) {
-                const float* part = first + c * G * (D + 2);
+                const float* part = first + c * H * (D + 2);
                 if (part[D + 1] == 0.0f) continue;
                 const float w = std::exp(part[D] - m);
                 sum += w * part[D + 1];

@@ -26,6 +26,7 @@ void matmul_rows_avx512(int type, const Activations& a, const uint8_t* w, const 
                         float* out, int64_t ldo);
 void dequantize_rows_avx512(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, float* out);
 void dequantize_rows_avx512(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, uint16_t* out);
+bool avx512_enabled();
 }  // namespace kvq
 
 namespace {
@@ -360,6 +361,8 @@ void matmul_rows_avx2(int type, const Activations& a, const float* x, const floa
 }
 
 }  // namespace
+
+bool kvq::avx512_enabled() { return use_avx512; }
 
 Layout kvq::checked_layout(int64_t type, int64_t K) {
     TORCH_CHECK(supported(static_cast<int>(type)), "GGUF type ", type, " has no kvserve kernel");
