@@ -192,21 +192,26 @@ def test_native_decode_step_equals_plain_torch(tiny_model_dir):
 
 @pytest.mark.parametrize("matmul_dtype", ["auto", "float32"])
 def test_fused_decode_layers_give_the_module_paths_logits(matmul_dtype):
-    """SmolLM2's decode steps as two fused native ops per layer, against the same layers as modules: the same greedy
-    tokens, and each step's logprobs equal to float rounding (they run the same kernels in the same order)."""
+    """SmolLM2's decode steps as one native call for the whole layer stack, as fused native ops per layer, and as
+    modules: the same greedy tokens, and each step's logprobs equal to float rounding (they run the same kernels
+    in the same order)."""
     llm = LLM("smollm2-135m", kv_cache_memory="64MiB", matmul_dtype=matmul_dtype)
-    layers = llm.engine.runner.model.layers
-    assert all(layer.fused is not None for layer in layers) and layers[0].fused_rows > 1
+    layers, backend = llm.engine.runner.model.layers, llm.engine.runner.backend
+    assert all(layer.fused is not None for layer in layers) and layers[0].fused_rows > 1 and backend.stack is not None
     prompts = ["The three primary colors are", "def fibonacci(n):", "Once upon a time"]
     params = greedy(24, logprobs=3)
-    fused = llm.generate(prompts, params, use_tqdm=False)  # three decodes a step: the fused ops take several rows
+    stacked = llm.generate(prompts, params, use_tqdm=False)  # three decodes a step: the fused ops take several rows
+    stack, backend.stack = backend.stack, None
+    fused = llm.generate(prompts, params, use_tqdm=False)
     rows = [layer.fused_rows for layer in layers]
     for layer in layers:
         layer.fused_rows = 0
     modules = llm.generate(prompts, params, use_tqdm=False)
     for layer, n in zip(layers, rows):
         layer.fused_rows = n
-    for a, b in zip(fused, modules):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert x.logprob == pytest.approx(y.logprob, abs=1e-5) and list(x.top) == list(y.top)
+    backend.stack = stack
+    for a, b, c in zip(stacked, fused, modules):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        for x, y, z in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, c.outputs[0].logprobs):
+            assert x.logprob == y.logprob and list(x.top) == list(y.top)  # the same calls, from C++ instead of Python
+            assert x.logprob == pytest.approx(z.logprob, abs=1e-5) and list(x.top) == list(z.top)

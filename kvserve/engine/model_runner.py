@@ -66,6 +66,8 @@ class ModelRunner:
         self.windows = [g.spec.window for g in layout.groups]  # per KV group: its sliding window, or None
         self.sdpa = SDPABackend(self.kv_cache)
         self.backend = NativeCPUBackend(self.kv_cache) if self.native else self.sdpa
+        if self.native:
+            self.backend.stack_layers(list(self.model.layers))
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
 
     @torch.inference_mode()

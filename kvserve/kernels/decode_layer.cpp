@@ -153,6 +153,41 @@ struct DecodeLayer : torch::CustomClassHolder {
     }
 };
 
+// A model's fused layers bound to their KV stores: a decode step's whole layer loop in one call, without a
+// Python-dispatched call (and its boxed arguments) per layer.
+struct DecodeStack : torch::CustomClassHolder {
+    struct Entry {
+        c10::intrusive_ptr<DecodeLayer> layer;
+        std::vector<at::Tensor> k, v, k_residual, v_residual;
+        int64_t k_format, v_format, residual_format, group, rope;
+    };
+    std::vector<Entry> layers;
+
+    // The next layer, its stores (NativeCPUBackend.stores), its KV group and its rotary table's index.
+    void add(const c10::intrusive_ptr<DecodeLayer>& layer, std::vector<at::Tensor> k, std::vector<at::Tensor> v, int64_t k_format,
+             int64_t v_format, std::vector<at::Tensor> k_residual, std::vector<at::Tensor> v_residual, int64_t residual_format,
+             int64_t group, int64_t rope) {
+        layers.push_back({layer, k, v, k_residual, v_residual, k_format, v_format, residual_format, group, rope});
+    }
+
+    // The first num_layers layers over x; per rotary table cos/sin, per KV group the step's block tables, context
+    // lengths, window and slots.
+    at::Tensor forward(at::Tensor x, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                       const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& lens, const std::vector<int64_t>& windows,
+                       const std::vector<at::Tensor>& slots, int64_t num_layers) {
+        TORCH_CHECK(num_layers >= 0 && num_layers <= int64_t(layers.size()), "the stack has ", layers.size(), " layers, not ", num_layers);
+        for (int64_t i = 0; i < num_layers; ++i) {
+            const Entry& e = layers[i];
+            TORCH_CHECK(e.rope < int64_t(cos.size()) && e.rope < int64_t(sin.size()) && e.group < int64_t(tables.size()) &&
+                        e.group < int64_t(lens.size()) && e.group < int64_t(windows.size()) && e.group < int64_t(slots.size()),
+                        "missing rotary tables or step arguments for layer ", i);
+            x = e.layer->forward(x, cos[e.rope], sin[e.rope], e.k, e.v, e.k_format, e.v_format, e.k_residual, e.v_residual,
+                                 e.residual_format, tables[e.group], lens[e.group], windows[e.group], slots[e.group]);
+        }
+        return x;
+    }
+};
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
@@ -163,4 +198,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         .def("pre", &DecodeLayer::pre)
         .def("post", &DecodeLayer::post)
         .def("forward", &DecodeLayer::forward);
+    m.class_<DecodeStack>("DecodeStack")  // after DecodeLayer: add takes one
+        .def(torch::init<>())
+        .def("add", &DecodeStack::add)
+        .def("forward", &DecodeStack::forward);
 }

@@ -128,6 +128,10 @@ class FirstLayers(torch.nn.Module):
         super().__init__()
         self.target, self.num_layers = model, num_layers
 
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        return self.target.layers[:self.num_layers]
+
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         return self.target(input_ids, ctx, self.num_layers)
 
