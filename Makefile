@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(VENV)/bin/kvserve chat --model smollm2-135m \
-		--message "What is the capital of France?" \
+		--message "What is the capital of France? Answer in one sentence." \
 		--message "And what is it famous for? Answer in two sentences."
 
 # The browser test drives Debian's Chromium; install it when missing (never a downloaded browser).

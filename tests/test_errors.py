@@ -93,8 +93,8 @@ def test_cli_generate_streams_and_reports(capsys, smollm2):
     n = len(smollm2.engine.tokenize(prompt))
     assert (int(prompt_tokens), int(prefilled), int(cached), int(generated), finish) == (n, n, 0, 8, "length")
     assert int(ttft) > 0 and float(rate) > 0
-    per_token = smollm2.engine.layout.bytes_per_token  # the last token sampled has no K/V yet
-    assert float(kv) == pytest.approx((n + 8 - 1) * per_token / 2**20, abs=0.006)
+    per_token = int(re.search(r"\(KV \w+: ([\d,]+) B/token", captured.err).group(1).replace(",", ""))  # the CLI's own layout
+    assert float(kv) == pytest.approx((n + 8 - 1) * per_token / 2**20, abs=0.006)  # the last token sampled has no K/V yet
     weights = re.search(r"kvserve: smollm2-135m loaded in [\d.]+ s: weights (\d+) MiB \(Q4_1, Q8_0 packed; float32\); "
                         r"KV pool 1024 MiB", captured.err)  # the startup line: what the weights really hold
     assert int(weights.group(1)) == round(smollm2.engine.runner.model.weight_bytes() / 2**20)

@@ -21,8 +21,8 @@ def test_cached_decode_equals_recomputation(smollm2):
 
 
 def test_kv_bytes_match_formula_and_tensors(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), num_blocks=32, block_size=8)
-    cfg = llm.engine.checkpoint.config  # 2 layers, 2 KV heads, head_dim 16, fp32
+    llm = LLM(str(tiny_model_dir), num_blocks=32, block_size=8, kv_cache_dtype="float32")
+    cfg = llm.engine.checkpoint.config  # 2 layers, 2 KV heads, head_dim 16
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     assert llm.engine.layout.bytes_per_token == per_token == 2 * 2 * 2 * 16 * 4
     assert llm.engine.runner.kv_cache.nbytes == 32 * 8 * per_token

@@ -73,6 +73,17 @@ def test_fp8_saturates_instead_of_overflowing():
     y = fmt.dequantize_tokens(fmt.quantize_tokens(torch.tensor([[[1e4, -1e4, 1.0]]])), torch.float32)
     assert y.tolist() == [[[448.0, -448.0, 1.0]]]
 
+def test_auto_kv_dtype_follows_the_matmul_precision():
+    """auto: float16 where the linear layers already multiply in bf16, the model's dtype where they are fp32;
+    a dtype named for K or V alone still wins."""
+    from kvserve.config import EngineConfig
+
+    assert EngineConfig(device="cpu", matmul_dtype="bfloat16").kv_dtypes == ("float16", "float16")
+    assert EngineConfig(device="cpu", matmul_dtype="float32").kv_dtypes == ("float32", "float32")
+    assert EngineConfig(device="cpu", dtype="bfloat16").kv_dtypes == ("bfloat16", "bfloat16")
+    assert EngineConfig(device="cpu", matmul_dtype="bfloat16", cache_type_k="int8").kv_dtypes == ("int8", "float16")
+
+
 
 def test_bad_kv_dtypes_are_clear_errors(tiny_model_dir):
     from kvserve import LLM

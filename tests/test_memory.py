@@ -129,7 +129,7 @@ def test_reads_hf_config_gguf_and_builtin(tmp_path):
 def test_engine_sizes_its_pool_with_the_planner(tiny_model_dir):
     from kvserve import LLM
 
-    llm = LLM(str(tiny_model_dir), kv_cache_memory="1MiB", block_size=8)
+    llm = LLM(str(tiny_model_dir), kv_cache_memory="1MiB", block_size=8, kv_cache_dtype="float32")
     per_token = kv_bytes_per_token(load_spec(str(tiny_model_dir)), "fp32")
     assert llm.engine.kv_manager.num_blocks == MiB // (8 * per_token)
 
