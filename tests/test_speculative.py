@@ -1,6 +1,7 @@
 """Speculative decoding: lossless verification, KV rollback, the ngram proposer, and its metrics."""
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -368,9 +369,11 @@ def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
     rng = random.Random(0)
     text = [rng.randrange(256) for _ in range(3000)]
     settings = DistillSettings(model=str(tmp_path / "target"), out=str(tmp_path / "draft"), layers=2, steps=80, batch=4,
-                               seq_len=32, lr=3e-3, eval_windows=4, acceptance_prompts=2)
+                               seq_len=32, lr=3e-3, eval_windows=4, acceptance_prompts=2, vocab=200)
     report = distill(settings, token_ids=text, progress=False)
     assert report["kept_layers"] == [0, 3]
+    listed = json.loads((tmp_path / "draft" / "draft_vocab.json").read_text())["token_ids"]
+    assert len(listed) == len(set(listed)) == 200 and all(0 <= t < 256 for t in listed)
     assert report["after"]["kl_mean"] < 0.8 * report["before"]["kl_mean"]  # closer to the target on held-out text
     assert sum(report["losses"][-5:]) < sum(report["losses"][:5])
     assert (tmp_path / "draft" / "loss.png").stat().st_size > 0
@@ -383,6 +386,38 @@ def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
     plain_out, spec_out = target.generate(prompts, greedy(24), use_tqdm=False), spec.generate(prompts, greedy(24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec_out] == [o.outputs[0].token_ids for o in plain_out]
     assert sum(o.metrics.num_accepted_tokens for o in spec_out) > 0
+    head = spec.engine.proposer.runner.model.lm_head  # the draft proposes its 200 listed tokens only
+    assert head.head.out_features == 200 and sorted(head.ids.tolist()) == sorted(listed)
+
+
+def test_vocab_subset_head_gives_the_full_heads_logits_at_its_ids():
+    from kvserve.layers.linear import Linear, VocabSubset
+    from kvserve.models.base import _q8
+
+    torch.manual_seed(0)
+    full = Linear(64, 300, bias=False)
+    ids = torch.tensor([7, 0, 299, 42])
+    x = torch.randn(3, 64)
+    for quantized in (False, True):
+        if quantized:
+            full.use_quantized(_q8(full.weight))
+            full.int8_activations = True
+        subset = VocabSubset(full, ids)
+        want, got = full(x), subset(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got[:, ids], want[:, ids], rtol=0, atol=1e-5)
+        others = torch.ones(300, dtype=torch.bool)
+        others[ids] = False
+        assert torch.isneginf(got[:, others]).all()
+
+
+def test_distill_answers_are_the_models_chat_answers(smollm2):
+    from kvserve.spec_decode.distill import answers
+
+    ids = answers(smollm2, 2, seed=0, max_tokens=8)
+    chat = smollm2.engine.tokenize(smollm2.apply_chat_template([{"role": "user", "content": "x"}]), add_special_tokens=False)
+    assert ids.count(chat[0]) == 2 * chat.count(chat[0])  # two conversations, each a chat prompt and its answer
+    assert 2 * len(chat) < len(ids) <= 2 * (len(chat) + 40 + 8)
 
 
 def test_no_guesses_in_a_step_of_more_than_max_batch_decodes(tiny_model_dir):
@@ -395,3 +430,12 @@ def test_no_guesses_in_a_step_of_more_than_max_batch_decodes(tiny_model_dir):
     assert sum(o.metrics.num_draft_tokens for o in together) == 0
     with pytest.raises(KVServeError, match="max_batch >= 1"):
         LLM(str(tiny_model_dir), speculative="ngram:max_batch=0")
+
+
+def test_a_draft_pruned_from_a_gguf_file_saves_and_loads(smollm2, tmp_path):
+    """transformers marks a model read from GGUF as quantized, which bars save_pretrained: the draft is saved plain."""
+    from kvserve.spec_decode.distill import prune, save
+
+    save(prune(smollm2, 2), smollm2, tmp_path / "draft", vocab=[5, 6, 7])
+    draft = LLM(str(tmp_path / "draft"), **FP32)
+    assert draft.engine.checkpoint.config.num_layers == 2 and draft.engine.tokenizer is not None

@@ -320,7 +320,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
     from kvserve.spec_decode.distill import DistillSettings, distill
 
     settings = DistillSettings(model=args.model, out=args.out, layers=args.layers, steps=args.steps, batch=args.batch,
-                               seq_len=args.seq_len, lr=args.lr, temperature=args.temperature, text=args.text, seed=args.seed)
+                               seq_len=args.seq_len, lr=args.lr, temperature=args.temperature, text=args.text, answers=args.answers,
+                               vocab=args.vocab, seed=args.seed)
     report = distill(settings)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -347,6 +348,9 @@ def _add_distill_parser(sub) -> None:
     di.add_argument("--lr", type=float, default=d.lr)
     di.add_argument("--temperature", type=float, default=d.temperature, help="softens both distributions in the KL loss")
     di.add_argument("--text", default=None, help="a text file (default: Python's own documentation, pydoc_data.topics)")
+    di.add_argument("--answers", type=int, default=d.answers, metavar="N",
+                    help="distill on the model's own greedy answers to N built-in chat prompts instead of a text")
+    di.add_argument("--vocab", type=int, default=d.vocab, help="tokens the draft's LM head covers (0: all)")
     di.add_argument("--seed", type=int, default=d.seed)
     di.add_argument("--json", action="store_true")
     di.set_defaults(func=cmd_distill)

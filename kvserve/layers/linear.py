@@ -72,6 +72,29 @@ class Linear(nn.Linear):
         self.weight = None
 
 
+class VocabSubset(nn.Module):
+    """An LM head over some token ids only, every other logit -inf: a draft that proposes only likely tokens
+    (FR-Spec's frequency-ranked head) reads a fraction of the full head's bytes."""
+
+    def __init__(self, head: Linear, ids: torch.Tensor):
+        super().__init__()
+        self.vocab_size = head.out_features
+        self.head = Linear(head.in_features, len(ids), bias=False, device="meta")
+        self.head.int8_activations, self.head.gemm_dtype = head.int8_activations, head.gemm_dtype
+        if head.qweight is not None:
+            (qtype, rows), = head.qweight.parts
+            ids = ids.to(rows.device)
+            self.head.use_quantized(QuantizedWeight([(qtype, rows.index_select(0, ids))], head.in_features))
+        else:
+            ids = ids.to(head.weight.device)
+            self.head.weight = nn.Parameter(head.weight.detach().index_select(0, ids), requires_grad=False)
+        self.register_buffer("ids", ids, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)
+        return logits.new_full((x.shape[0], self.vocab_size), float("-inf")).index_copy_(1, self.ids, logits)
+
+
 class Embedding(nn.Embedding):
     """Token embeddings, dense or quantized (only the rows looked up are dequantized)."""
 

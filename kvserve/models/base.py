@@ -9,7 +9,8 @@ from torch import nn
 
 from kvserve.attention import ForwardContext
 from kvserve.config import ModelConfig
-from kvserve.layers.linear import Embedding, Linear
+from kvserve.errors import KVServeError
+from kvserve.layers.linear import Embedding, Linear, VocabSubset
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import GGUFTensor, QuantizedWeight
 from kvserve.layers.rotary import RotaryEmbedding
@@ -106,6 +107,12 @@ class CausalLM(nn.Module):
                 module.native = module.silu
             if isinstance(module, Linear):
                 module.int8_activations = int8_activations
+
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Logits for these token ids only, -inf for the rest (a draft's head: layers/linear.py VocabSubset)."""
+        if not 0 < len(ids) <= self.config.vocab_size or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise KVServeError(f"a draft vocabulary must be 1..{self.config.vocab_size} token ids below {self.config.vocab_size}")
+        self.lm_head = VocabSubset(self.lm_head, ids)
 
     def use_q8_weights(self, int8_activations: bool) -> None:
         """Every dense linear layer quantized to Q8_0, and native norms (a draft model: it reads 8.5 bits per

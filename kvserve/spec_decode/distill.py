@@ -8,11 +8,19 @@ softened by a temperature, with Hinton's KL loss. The teacher is kvserve itself:
 windows through its paged cache (SamplingParams(prompt_distributions=True)). The student is a transformers
 Llama (training is not what kvserve is for), saved as a Hugging Face directory that LLM(...) and
 `--speculative draft:model=DIR` load.
+
+The text is Python's documentation, a user's file, or (`answers`) the target's own greedy answers to built-in
+chat prompts: on-policy data, the text the draft will be asked to predict when serving chat. The draft also
+lists the `vocab` tokens its LM head keeps (draft_vocab.json): a head over 8,192 of SmolLM2's 49,152 tokens
+reads a sixth of its bytes (the full head is 30 MB of a 10-layer Q8_0 draft's 68).
 """
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import random
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +32,7 @@ from kvserve.entrypoints.llm import LLM
 from kvserve.errors import KVServeError
 from kvserve.models.loader import transformers_model
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.draft import DRAFT_VOCAB
 
 TEACHER = SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_distributions=True)
 
@@ -38,7 +47,9 @@ class DistillSettings:
     seq_len: int = 128  # tokens per window
     lr: float = 5e-4
     temperature: float = 2.0
-    text: str | None = None  # a file; None: Python's own documentation
+    text: str | None = None  # a file; None: Python's own documentation (unless `answers`)
+    answers: int = 0  # > 0: the text is the target's own greedy answers to this many built-in chat prompts
+    vocab: int = 8192  # tokens the draft's LM head covers (the text's most frequent, then the lowest ids); 0: all
     eval_windows: int = 8  # held-out windows (the text's start) for perplexity and KL
     acceptance_prompts: int = 4  # held-out prompts for the draft's acceptance rate
     seed: int = 0
@@ -46,9 +57,13 @@ class DistillSettings:
 
 def distill(settings: DistillSettings, token_ids: list[int] | None = None, progress: bool = True) -> dict:
     """Prune, distill and save; returns the report (losses, perplexity and KL before and after, acceptance)."""
+    if settings.answers < 0 or settings.vocab < 0:
+        raise KVServeError(f"--answers and --vocab must be >= 0, got {settings.answers} and {settings.vocab}")
+    if settings.answers and settings.text:
+        raise KVServeError("distill on --text or on the model's --answers, not both")
     torch.manual_seed(settings.seed)
     teacher = LLM(settings.model, matmul_dtype="float32", max_num_batched_tokens=max(512, settings.batch * settings.seq_len))
-    ids = token_ids if token_ids is not None else _text_ids(teacher, settings.text)
+    ids = token_ids if token_ids is not None else _text_ids(teacher, settings)
     held_out = settings.eval_windows * settings.seq_len
     if len(ids) < held_out + 2 * settings.seq_len:
         raise KVServeError(f"the text has {len(ids)} tokens; distillation needs at least {held_out + 2 * settings.seq_len}")
@@ -74,7 +89,7 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
         bar.set_postfix_str(f"loss {losses[-1]:.3f}")
     after = evaluate(student, teacher, evaluation)
     out = Path(settings.out)
-    save(student, teacher, out)
+    save(student, teacher, out, draft_vocab(train, teacher.engine.checkpoint.config.vocab_size, settings.vocab))
     report = {"settings": asdict(settings), "kept_layers": kept_layers(teacher, settings.layers), "losses": losses,
               "target_perplexity": before["target_perplexity"], "before": before["student"], "after": after["student"],
               "acceptance": acceptance(settings.model, out, evaluation[:settings.acceptance_prompts])}
@@ -89,6 +104,9 @@ def prune(teacher: LLM, layers: int):
     if not 1 <= layers < total:
         raise KVServeError(f"--layers must be in 1..{total - 1} for {checkpoint.name}, got {layers}")
     model = transformers_model(checkpoint.path)
+    if getattr(model, "hf_quantizer", None) is not None:  # a GGUF file, dequantized to plain tensors, yet marked
+        model.hf_quantizer = None  # quantized, which bars save_pretrained; the draft is saved as plain weights
+        model.config.__dict__.pop("quantization_config", None)
     keep = kept_layers(teacher, layers)
     model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in keep)
     for i, layer in enumerate(model.model.layers):
@@ -143,9 +161,21 @@ def acceptance(model: str, draft: Path, windows: list[list[int]]) -> dict:
     return {"draft_tokens": proposed, "accepted_tokens": accepted, "rate": accepted / proposed if proposed else 0.0}
 
 
-def save(student, teacher: LLM, out: Path) -> None:
+def draft_vocab(ids: list[int], vocab_size: int, size: int) -> list[int] | None:
+    """The `size` tokens the draft proposes (FR-Spec): the text's by frequency, then the lowest ids (a BPE
+    vocabulary's earliest merges, its most frequent pieces); None: all of them."""
+    if not 0 < size < vocab_size:
+        return None
+    chosen = dict.fromkeys(token for token, _ in Counter(ids).most_common(size))
+    chosen.update(dict.fromkeys(itertools.islice((i for i in range(vocab_size) if i not in chosen), size - len(chosen))))
+    return list(chosen)
+
+
+def save(student, teacher: LLM, out: Path, vocab: list[int] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     student.save_pretrained(out)
+    if vocab is not None:
+        (out / DRAFT_VOCAB).write_text(json.dumps({"token_ids": vocab}))
     tokenizer = teacher.engine.checkpoint.tokenizer
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
@@ -168,10 +198,35 @@ def plot_losses(losses: list[float], path: Path) -> None:
     plt.close(fig)
 
 
-def _text_ids(teacher: LLM, path: str | None) -> list[int]:
+def _text_ids(teacher: LLM, settings: DistillSettings) -> list[int]:
     from kvserve.eval.text import load_text
 
-    return teacher.engine.tokenize(load_text(path), add_special_tokens=False)
+    if settings.answers:
+        return answers(teacher, settings.answers, settings.seed)
+    return teacher.engine.tokenize(load_text(settings.text), add_special_tokens=False)
+
+
+TOPICS = ["the moon", "volcanoes", "honey bees", "the Roman Empire", "electric cars", "rainbows", "ocean tides", "a lost kitten",
+          "friendship", "the internet", "dinosaurs", "coffee", "the human heart", "chess", "winter", "a lighthouse keeper",
+          "recycling", "the piano", "earthquakes", "a robot who learns to paint", "the Nile", "vaccines", "a haunted library",
+          "gravity", "the stock market", "migrating birds", "the Great Wall of China", "a time traveler", "solar panels",
+          "the water cycle", "a pirate ship", "ancient Egypt", "black holes", "a small bakery", "climate change",
+          "the first airplane", "a talking tree", "algae", "the Olympic Games", "a snowstorm", "the printing press",
+          "a detective in Paris", "whales", "the desert", "a space station", "the Renaissance", "a garden in spring",
+          "mountains", "the brain", "a village festival"]
+TASKS = ["Write a short story about {}.", "Explain {} to a child.", "Tell me three interesting facts about {}.",
+         "Write a short poem about {}.", "What should everyone know about {}?", "Describe {} in a few paragraphs."]
+
+
+def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256) -> list[int]:
+    """Chat prompts on built-in topics with the target's greedy answers, as token ids: the text a draft is asked to
+    predict when it serves chat (on-policy distillation, as DistillSpec's)."""
+    prompts = [task.format(topic) for topic in TOPICS for task in TASKS]
+    random.Random(seed).shuffle(prompts)
+    chats = [teacher.engine.tokenize(teacher.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+             for p in itertools.islice(itertools.cycle(prompts), count)]
+    outs = teacher.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [token for chat, out in zip(chats, outs) for token in chat + out.outputs[0].token_ids]
 
 
 def _teacher_logprobs(teacher: LLM, windows: list[list[int]]) -> torch.Tensor:

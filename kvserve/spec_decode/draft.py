@@ -9,6 +9,8 @@ at once. Greedy guesses are point-mass proposals, so verification stays lossless
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 
@@ -24,6 +26,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.proposer import MAX_BATCH, Proposer, check_ints
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
+DRAFT_VOCAB = "draft_vocab.json"  # {"token_ids": [...]}: the tokens a draft proposes, written by `kvserve distill`
 
 
 class ModelProposer(Proposer):
@@ -95,15 +98,29 @@ class ModelProposer(Proposer):
 
 
 class DraftProposer(ModelProposer):
-    def __init__(self, model: str = "", k: int = 4, min_acceptance: int = 50, window: int = 16, max_batch: int = MAX_BATCH):
+    def __init__(self, model: str = "", k: int = 4, vocab: int = 0, min_acceptance: int = 50, window: int = 16,
+                 max_batch: int = MAX_BATCH):
         super().__init__(k, min_acceptance, window, max_batch)
         if not model or not isinstance(model, str):
             raise KVServeError("the draft proposer needs model=PATH (a Hugging Face directory or .gguf file)")
-        self.model = model
+        check_ints(vocab=vocab)
+        if vocab < 0:
+            raise KVServeError(f"draft:vocab must be >= 0 (0: every token the draft lists), got {vocab}")
+        self.model, self.vocab = model, vocab
 
     def draft(self, engine) -> tuple[Checkpoint, dict, None]:
         checkpoint = open_checkpoint(self.model)
+        self.model_path = checkpoint.path
         return checkpoint, checkpoint.hf_config, None
+
+    def start(self, engine) -> None:
+        """As ModelProposer's; where the draft's directory lists the tokens it proposes (DRAFT_VOCAB, most frequent
+        first), its LM head covers the first `vocab` of them (0: all listed) and no others."""
+        super().start(engine)
+        listed = Path(self.model_path) / DRAFT_VOCAB
+        if listed.is_file():
+            ids = json.loads(listed.read_text())["token_ids"]
+            self.runner.model.restrict_vocab(torch.tensor(ids[:self.vocab or len(ids)], dtype=torch.long))
 
 
 class SelfProposer(ModelProposer):
