@@ -104,7 +104,9 @@ def main() -> None:
     read = read_ms(nbytes)
     hf = transformers_decode(path, prompt, args.new_tokens)
 
-    print(f"\nbatch-1 decode, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, {DEVICE}")
+    kv = "/".join(dict.fromkeys(EngineConfig().kv_dtypes))
+    print(f"\nbatch-1 decode, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, {DEVICE}, "
+          f"KV cache {kv}")
     print(f"  kvserve (KV cache)      {with_cache:8.1f} tok/s")
     print(f"  kvserve (plain torch)   {fp32_weights:8.1f} tok/s")
     print(f"  kvserve (no_cache)      {no_cache:8.1f} tok/s")

@@ -109,7 +109,7 @@ def main() -> None:
         llm = LLM(args.model, scheduler=scheduler, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
                   matmul_dtype=args.matmul_dtype)
         results.append(run_kvserve(name, llm, prompts, args.new_tokens))
-        bf16 = llm.engine.config.bf16_matmuls
+        bf16, kv = llm.engine.config.bf16_matmuls, "/".join(dict.fromkeys(llm.engine.config.kv_dtypes))
         del llm
     if not args.skip_transformers:
         results.append(run_transformers(resolve_model_path(args.model), prompts, args.new_tokens, args.max_num_seqs, args.transformers_dtype))
@@ -117,7 +117,7 @@ def main() -> None:
     lengths = [len(p) for p in prompts]
     print(f"\n{args.num_requests} requests, prompts {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}), "
           f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {torch.get_num_threads()} threads, {DEVICE}, "
-          f"kvserve matmuls in {'bf16' if bf16 else 'fp32'}")
+          f"kvserve matmuls in {'bf16' if bf16 else 'fp32'}, KV cache {kv}")
     for r in results:
         ttft = f"TTFT p50 {percentile(r.ttft, 0.5):6.1f} s  p99 {percentile(r.ttft, 0.99):6.1f} s" if r.ttft else "TTFT n/a"
         waste = f"KV waste {r.kv_waste * 100:5.1f}%" if r.kv_waste is not None else ""
