@@ -145,7 +145,8 @@ def test_a_model_drafts_gate_is_shared_by_all_sequences():
 @pytest.mark.parametrize("text, message", [
     ("medusa", "unknown speculative proposer 'medusa'"), ("ngram:k", "'k' is not name=value"),
     ("ngram:k=four", "option k must be an integer, got 'four'"), ("draft:k=2", "needs model=PATH"), ("ngram:depth=3", "bad options for the ngram proposer"),
-    ("ngram:k=0", "1 <= k <= 16"), ("ngram:n=2,min_n=3", "min_n <= n"),
+    ("ngram:k=0", "1 <= k <= 16"), ("ngram:n=2,min_n=3", "min_n <= n"), ("draft:model=d,vocab=-5", "vocab must be >= 0"),
+    ("draft:model=d,vocab=all", "option vocab must be an integer, got 'all'"),
 ])
 def test_bad_speculative_options_name_the_value(text, message):
     with pytest.raises(KVServeError, match=message):
@@ -388,6 +389,8 @@ def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
     assert sum(o.metrics.num_accepted_tokens for o in spec_out) > 0
     head = spec.engine.proposer.runner.model.lm_head  # the draft proposes its 200 listed tokens only
     assert head.head.out_features == 200 and sorted(head.ids.tolist()) == sorted(listed)
+    fewer = LLM(str(tmp_path / "target"), speculative=f"draft:model={tmp_path / 'draft'},vocab=50", **FP32)
+    assert fewer.engine.proposer.runner.model.lm_head.ids.tolist() == listed[:50]  # the 50 most frequent
 
 
 def test_vocab_subset_head_gives_the_full_heads_logits_at_its_ids():
