@@ -42,6 +42,10 @@ class ModelProposer(Proposer):
         checkpoint, its model."""
         raise NotImplementedError
 
+    def vocab_ids(self, checkpoint: Checkpoint) -> list[int] | None:
+        """The only tokens the draft may propose (its LM head covers those alone); None: all."""
+        return None
+
     def start(self, engine) -> None:
         checkpoint, hf_config, model = self.draft(engine)
         if checkpoint.config.vocab_size != engine.checkpoint.config.vocab_size:
@@ -54,6 +58,9 @@ class ModelProposer(Proposer):
         self.runner = ModelRunner(checkpoint, config, engine.max_model_len, layout, num_blocks, model=model)
         if model is None and self.runner.native:
             self.runner.model.use_q8_weights(config.matmul_dtype != "float32")  # a draft's speed matters, not its last digit
+        vocab = self.vocab_ids(checkpoint)
+        if vocab is not None:
+            self.runner.model.restrict_vocab(torch.tensor(vocab, dtype=torch.long))
         self.kv = KVManager(layout, num_blocks, 0, enable_prefix_caching=False, salt="draft")
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
@@ -110,17 +117,15 @@ class DraftProposer(ModelProposer):
 
     def draft(self, engine) -> tuple[Checkpoint, dict, None]:
         checkpoint = open_checkpoint(self.model)
-        self.model_path = checkpoint.path
         return checkpoint, checkpoint.hf_config, None
 
-    def start(self, engine) -> None:
-        """As ModelProposer's; where the draft's directory lists the tokens it proposes (DRAFT_VOCAB, most frequent
-        first), its LM head covers the first `vocab` of them (0: all listed) and no others."""
-        super().start(engine)
-        listed = Path(self.model_path) / DRAFT_VOCAB
-        if listed.is_file():
-            ids = json.loads(listed.read_text())["token_ids"]
-            self.runner.model.restrict_vocab(torch.tensor(ids[:self.vocab or len(ids)], dtype=torch.long))
+    def vocab_ids(self, checkpoint: Checkpoint) -> list[int] | None:
+        """The first `vocab` (0: all) of the tokens the draft's directory lists (DRAFT_VOCAB, most frequent first)."""
+        listed = Path(checkpoint.path) / DRAFT_VOCAB
+        if not listed.is_file():
+            return None
+        ids = json.loads(listed.read_text())["token_ids"]
+        return ids[:self.vocab or len(ids)]
 
 
 class SelfProposer(ModelProposer):
