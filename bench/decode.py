@@ -46,11 +46,12 @@ def kvserve_decode(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float,
     return out.metrics.decode_tokens_per_s, step_times, overheads
 
 
-def _cached_decode(model: str, prompts: list[list[int]], new_tokens: int, native_kernels: bool) -> list[tuple[float, float]]:
-    """(tok/s, median per-step overhead in seconds) per prompt."""
+def _cached_decode(model: str, prompts: list[list[int]], new_tokens: int, native_kernels: bool) -> tuple[str, list[tuple[float, float]]]:
+    """The KV cache's dtype, and (tok/s, median per-step overhead in seconds) per prompt."""
     llm = LLM(model, native_kernels=native_kernels)
     kvserve_decode(llm, prompts[0], 8)  # warm-up
-    return [(rate, statistics.median(overheads)) for rate, _, overheads in (kvserve_decode(llm, p, new_tokens) for p in prompts)]
+    return llm.engine.layout.dtype_name, [(rate, statistics.median(overheads))
+                                          for rate, _, overheads in (kvserve_decode(llm, p, new_tokens) for p in prompts)]
 
 
 def read_ms(nbytes: int) -> float:
@@ -96,7 +97,7 @@ def main() -> None:
         parser.error("--prompt-len must be >= 1, --new-tokens >= 2 and --long-context >= 0")
     prompts = [[1000 + (i * 37) % 20000 for i in range(n)] for n in (args.prompt_len, args.long_context) if n]
 
-    cached, ((fp32_weights, _),) = (
+    (kv, cached), (_, ((fp32_weights, _),)) = (
         _cached_decode(args.model, prompts, args.new_tokens, True), _cached_decode(args.model, prompts[:1], args.new_tokens, False))
     with_cache = cached[0][0]
     recompute = LLM(args.model, use_kv_cache=False, max_num_batched_tokens=args.prompt_len + args.new_tokens)
@@ -107,7 +108,6 @@ def main() -> None:
     read = read_ms(nbytes)
     hf = transformers_decode(path, prompts[0], args.new_tokens)
 
-    kv = "/".join(dict.fromkeys(EngineConfig().kv_dtypes))
     print(f"\nbatch-1 decode, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, {DEVICE}, "
           f"KV cache {kv}")
     print(f"  kvserve (KV cache)      {with_cache:8.1f} tok/s")

@@ -109,7 +109,7 @@ def main() -> None:
         llm = LLM(args.model, scheduler=scheduler, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
                   matmul_dtype=args.matmul_dtype)
         results.append(run_kvserve(name, llm, prompts, args.new_tokens))
-        bf16, kv = llm.engine.config.bf16_matmuls, "/".join(dict.fromkeys(llm.engine.config.kv_dtypes))
+        bf16, kv = llm.engine.config.bf16_matmuls, llm.engine.layout.dtype_name
         del llm
     if not args.skip_transformers:
         results.append(run_transformers(resolve_model_path(args.model), prompts, args.new_tokens, args.max_num_seqs, args.transformers_dtype))
