@@ -355,10 +355,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
     }
     // One task per (sequence, chunk of its context) covers every head, a block at a time, so each block's rows are
     // read whole and in order. Flash-decoding: with fewer sequences than threads can share well, a context is split
-    // into chunks of whole blocks; every chunk keeps its own softmax max and sum per head, merged at the end.
+    // into chunks of whole blocks (at least four: a batch-1 step splits from 128 keys on, and both threads fetch
+    // the blocks that the weight stream has evicted); every chunk keeps its own softmax max and sum per head, merged
+    // at the end.
     const int64_t G = H / KVH;
     const bool wide = kvq::avx512_enabled() && D % 64 == 0;
-    const int64_t splits = std::min(ceil_div(4 * at::get_num_threads(), B), ceil_div(max_len, 16 * bs));
+    const int64_t splits = std::min(ceil_div(4 * at::get_num_threads(), B), std::max<int64_t>(1, max_len / (4 * bs)));
     const int64_t chunk = ceil_div(ceil_div(max_len, splits), bs) * bs;
     const int64_t C = ceil_div(max_len, chunk);
     at::Tensor partial = at::empty({B, C, H, D + 2}, q.options());  // per chunk and query head: output, max, sum
