@@ -67,54 +67,44 @@ void check_rows(const at::Tensor& x, const char* name) {
                 " must be contiguous fp32 [T, width] on the CPU");
 }
 
-// rms_norm(x) projected to q/k/v [T, (H + 2 KVH) D], RoPE applied to the first rotary_heads heads of each row
-// (q's and k's) with cos/sin [T, 1, D].
-at::Tensor pre_attention(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& norm_weight,
-                         double eps, const Linear& proj, bool int8, int64_t rotary_heads) {
-    check_rows(x, "x");
-    const int64_t T = x.size(0), H = x.size(1), D = cos.size(-1);
-    TORCH_CHECK(norm_weight.numel() == H && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
-                "norm weight or cos/sin do not match x");
-    proj.check(H);
-    TORCH_CHECK(rotary_heads * D <= proj.out, "more rotary heads than the projection has");
-    thread_local std::vector<float> h;
-    h.resize(T * H);
-    const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t) kvp::rms_norm_row(xp + t * H, norm_weight.data_ptr<float>(), H, float(eps), h.data() + t * H);
-    at::Tensor out = at::empty({T, proj.out}, x.options());
-    float* op = out.data_ptr<float>();
-    proj.apply(h.data(), T, H, int8, op);
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t head = 0; head < rotary_heads; ++head) kvp::rope_head(op + t * proj.out + head * D, cp + t * D, sp + t * D, D);
-    return out;
-}
+struct DecodeLayer;
 
-// The layer's output from its input x [T, hidden] and attention's output attn [T, H D]:
-// y = x + o(attn); y + down(silu(gate(n)) * up(n)) with n = rms_norm(y).
-at::Tensor post_attention(const at::Tensor& x, const at::Tensor& attn, const Linear& out_proj, const at::Tensor& norm_weight,
-                          double eps, const Linear& up, const Linear& down_proj, bool int8) {
-    check_rows(x, "x"), check_rows(attn, "attn");
-    const int64_t T = x.size(0), H = x.size(1), A = attn.size(1), I = up.out / 2;
-    TORCH_CHECK(attn.size(0) == T && out_proj.out == H && down_proj.out == H && norm_weight.numel() == H, "shapes do not agree");
-    out_proj.check(A), up.check(H), down_proj.check(I);
-    thread_local std::vector<float> proj, h, gu, act;
-    proj.resize(T * H), h.resize(T * H), gu.resize(T * 2 * I), act.resize(T * I);
-    at::Tensor y = at::empty({T, H}, x.options());
-    float* yp = y.data_ptr<float>();
-    const float* xp = x.data_ptr<float>();
-    out_proj.apply(attn.data_ptr<float>(), T, A, int8, proj.data());
-    for (int64_t i = 0; i < T * H; ++i) yp[i] = xp[i] + proj[i];
-    for (int64_t t = 0; t < T; ++t) kvp::rms_norm_row(yp + t * H, norm_weight.data_ptr<float>(), H, float(eps), h.data() + t * H);
-    up.apply(h.data(), T, H, int8, gu.data());
-    for (int64_t t = 0; t < T; ++t) kvp::silu_mul_row(gu.data() + t * 2 * I, gu.data() + t * 2 * I + I, I, act.data() + t * I);
-    down_proj.apply(act.data(), T, I, int8, proj.data());
-    for (int64_t i = 0; i < T * H; ++i) yp[i] += proj[i];
-    return y;
-}
+// A decode step's arguments, checked and contiguous: x [T, H]; per rotary table cos/sin [T, D]; per KV group the
+// block tables [T, W], context lengths [T] and the slots [T] the new K/V go to.
+struct DecodeStep {
+    int64_t T, H, D;
+    std::vector<at::Tensor> cos, sin, tables, lens, slots;
+
+    DecodeStep(const at::Tensor& x, const std::vector<at::Tensor>& cos_, const std::vector<at::Tensor>& sin_,
+               const std::vector<at::Tensor>& tables_, const std::vector<at::Tensor>& lens_, const std::vector<at::Tensor>& slots_) {
+        check_rows(x, "x");
+        T = x.size(0), H = x.size(1), D = cos_.empty() ? 0 : cos_[0].size(-1);
+        TORCH_CHECK(cos_.size() == sin_.size() && tables_.size() == lens_.size() && tables_.size() == slots_.size(), "step arguments do not pair up");
+        for (size_t i = 0; i < cos_.size(); ++i) {
+            TORCH_CHECK(cos_[i].scalar_type() == at::kFloat && sin_[i].scalar_type() == at::kFloat && cos_[i].numel() == T * D &&
+                        sin_[i].numel() == T * D, "cos/sin must be fp32 [T, D]");
+            cos.push_back(cos_[i].contiguous()), sin.push_back(sin_[i].contiguous());
+        }
+        for (size_t g = 0; g < tables_.size(); ++g) {
+            TORCH_CHECK(tables_[g].dim() == 2 && tables_[g].size(0) == T && slots_[g].numel() == T, "one block table row and slot per row of x");
+            tables.push_back(tables_[g].contiguous()), lens.push_back(lens_[g].contiguous()), slots.push_back(slots_[g].contiguous());
+        }
+    }
+
+    // TORCH_CHECKs group g's tables, lengths and slots against a layer's stores (a few loads per block table entry).
+    void check(const kva::KVStores& kv, int64_t g, int64_t window) const {
+        TORCH_CHECK(kva::head_dim(kv) == D, "the KV stores do not hold heads of ", D);
+        kva::check_step(kv, tables[g], lens[g], window, &slots[g]);
+    }
+
+    // The layer over y in place, with rotary table r and KV group g.
+    void run(const DecodeLayer& layer, const kva::KVStores& kv, int64_t r, int64_t g, int64_t window, float* y) const;
+};
 
 // One layer's weights, set once; `pre` and `post` run around the backend's attention, `forward` runs attention too
 // with the native decode kernel's arguments for this layer and step (its K/V stores and formats, the step's block
-// tables, context lengths, window, and the slots its new K/V go to).
+// tables, context lengths, window, and the slots its new K/V go to). Each works on raw rows (the *_rows methods);
+// the tensor methods check their arguments and call them.
 struct DecodeLayer : torch::CustomClassHolder {
     at::Tensor norm1, norm2;
     double eps1, eps2, scale;
@@ -130,36 +120,98 @@ struct DecodeLayer : torch::CustomClassHolder {
           o(o, o_types, o_bias), gate_up(gate_up, gate_up_types, c10::nullopt), down(down, down_types, c10::nullopt),
           int8(int8_activations), heads(heads), kv_heads(kv_heads) {}
 
+    // TORCH_CHECKs that rows of H values with heads of D values fit this layer's weights.
+    void check(int64_t H, int64_t D) const {
+        qkv.check(H), gate_up.check(H), down.check(gate_up.out / 2);
+        TORCH_CHECK(norm1.numel() == H && norm2.numel() == H && o.out == H && down.out == H, "the layer's width is not ", H);
+        TORCH_CHECK((heads + 2 * kv_heads) * D == qkv.out && gate_up.out % 2 == 0, "the q/k/v projection does not give heads of ", D);
+        o.check(heads * D);
+    }
+
+    // rms_norm(x) projected to q/k/v [T, (heads + 2 kv_heads) D], RoPE applied to q's and k's heads (cos/sin [T, D]).
+    void pre_rows(const float* x, int64_t T, int64_t H, const float* cos, const float* sin, int64_t D, float* out) const {
+        thread_local std::vector<float> h;
+        h.resize(T * H);
+        for (int64_t t = 0; t < T; ++t) kvp::rms_norm_row(x + t * H, norm1.data_ptr<float>(), H, float(eps1), h.data() + t * H);
+        qkv.apply(h.data(), T, H, int8, out);
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t head = 0; head < heads + kv_heads; ++head) kvp::rope_head(out + t * qkv.out + head * D, cos + t * D, sin + t * D, D);
+    }
+
+    // y = x + o(attn); y + down(silu(gate(n)) * up(n)) with n = rms_norm(y), for attn [T, A]; y may be x.
+    void post_rows(const float* x, const float* attn, int64_t T, int64_t H, int64_t A, float* y) const {
+        const int64_t I = gate_up.out / 2;
+        thread_local std::vector<float> proj, h, gu, act;
+        proj.resize(T * H), h.resize(T * H), gu.resize(T * 2 * I), act.resize(T * I);
+        o.apply(attn, T, A, int8, proj.data());
+        for (int64_t i = 0; i < T * H; ++i) y[i] = x[i] + proj[i];
+        for (int64_t t = 0; t < T; ++t) kvp::rms_norm_row(y + t * H, norm2.data_ptr<float>(), H, float(eps2), h.data() + t * H);
+        gate_up.apply(h.data(), T, H, int8, gu.data());
+        for (int64_t t = 0; t < T; ++t) kvp::silu_mul_row(gu.data() + t * 2 * I, gu.data() + t * 2 * I + I, I, act.data() + t * I);
+        down.apply(act.data(), T, I, int8, proj.data());
+        for (int64_t i = 0; i < T * H; ++i) y[i] += proj[i];
+    }
+
+    // The whole layer for T decoding rows, x -> y (may be x): q/k/v, the new K/V written at their slots and attention
+    // over the stores (arguments that passed kva::check_step), then the rest.
+    void forward_rows(const float* x, int64_t T, int64_t H, const float* cos, const float* sin, int64_t D, const kva::KVStores& kv,
+                      const int64_t* tables, int64_t W, const int64_t* lens, int64_t window, const int64_t* slots, float* y) const {
+        thread_local std::vector<float> projected, attn;
+        projected.resize(T * qkv.out), attn.resize(T * heads * D);
+        pre_rows(x, T, H, cos, sin, D, projected.data());
+        const float* k_new = projected.data() + heads * D;
+        const kva::NewKV fresh{k_new, k_new + kv_heads * D, qkv.out, D, qkv.out, D, slots};
+        kva::attend(kv, projected.data(), qkv.out, &fresh, T, heads, tables, W, lens, scale, window, attn.data());
+        post_rows(x, attn.data(), T, H, heads * D, y);
+    }
+
     at::Tensor pre(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-        return pre_attention(x, cos, sin, norm1, eps1, qkv, int8, heads + kv_heads);
+        check_rows(x, "x");
+        const int64_t T = x.size(0), H = x.size(1), D = cos.size(-1);
+        TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D, "cos/sin do not match x");
+        check(H, D);
+        at::Tensor out = at::empty({T, qkv.out}, x.options());
+        pre_rows(x.data_ptr<float>(), T, H, cos.data_ptr<float>(), sin.data_ptr<float>(), D, out.data_ptr<float>());
+        return out;
     }
 
     at::Tensor post(const at::Tensor& x, const at::Tensor& attn) {
-        return post_attention(x, attn, o, norm2, eps2, gate_up, down, int8);
+        check_rows(x, "x"), check_rows(attn, "attn");
+        const int64_t T = x.size(0), H = x.size(1), A = attn.size(1);
+        TORCH_CHECK(attn.size(0) == T && A % heads == 0, "shapes do not agree");
+        check(H, A / heads);
+        at::Tensor y = at::empty({T, H}, x.options());
+        post_rows(x.data_ptr<float>(), attn.data_ptr<float>(), T, H, A, y.data_ptr<float>());
+        return y;
     }
 
     at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k,
                        const std::vector<at::Tensor>& v, int64_t k_format, int64_t v_format, const std::vector<at::Tensor>& k_residual,
                        const std::vector<at::Tensor>& v_residual, int64_t residual_format, const at::Tensor& block_tables,
                        const at::Tensor& context_lens, int64_t window, const at::Tensor& slots) {
-        const int64_t T = x.size(0), D = cos.size(-1);
-        const at::Tensor projected = pre(x, cos, sin);
-        const at::Tensor q = projected.narrow(1, 0, heads * D).view({T, heads, D});
-        const at::Tensor k_new = projected.narrow(1, heads * D, kv_heads * D).view({T, kv_heads, D});
-        const at::Tensor v_new = projected.narrow(1, (heads + kv_heads) * D, kv_heads * D).view({T, kv_heads, D});
-        const at::Tensor attn = paged_decode_attention(q, k, v, block_tables, context_lens, scale, k_format, v_format, k_residual,
-                                                       v_residual, residual_format, window, k_new, v_new, slots);
-        return post(x, attn.view({T, heads * D}));
+        const auto kv = kva::kv_stores(k, v, k_format, v_format, k_residual, v_residual, residual_format);
+        const DecodeStep step(x, {cos}, {sin}, {block_tables}, {context_lens}, {slots});
+        check(step.H, step.D);
+        step.check(*kv, 0, window);
+        at::Tensor y = x.clone();
+        step.run(*this, *kv, 0, 0, window, y.data_ptr<float>());
+        return y;
     }
 };
 
+void DecodeStep::run(const DecodeLayer& layer, const kva::KVStores& kv, int64_t r, int64_t g, int64_t window, float* y) const {
+    layer.forward_rows(y, T, H, cos[r].data_ptr<float>(), sin[r].data_ptr<float>(), D, kv, tables[g].data_ptr<int64_t>(), tables[g].size(1),
+                       lens[g].data_ptr<int64_t>(), window, slots[g].data_ptr<int64_t>(), y);
+}
+
 // A model's fused layers bound to their KV stores: a decode step's whole layer loop in one call, without a
-// Python-dispatched call (and its boxed arguments) per layer.
+// Python-dispatched call (and its boxed arguments) per layer, the step's arguments checked once.
 struct DecodeStack : torch::CustomClassHolder {
     struct Entry {
         c10::intrusive_ptr<DecodeLayer> layer;
-        std::vector<at::Tensor> k, v, k_residual, v_residual;
-        int64_t k_format, v_format, residual_format, group, rope;
+        std::shared_ptr<const kva::KVStores> kv;
+        int64_t group, rope;
+        int64_t checked = -1;  // the width and head size (H << 16 | D) the layer's weights were last checked against
     };
     std::vector<Entry> layers;
 
@@ -167,24 +219,28 @@ struct DecodeStack : torch::CustomClassHolder {
     void add(const c10::intrusive_ptr<DecodeLayer>& layer, std::vector<at::Tensor> k, std::vector<at::Tensor> v, int64_t k_format,
              int64_t v_format, std::vector<at::Tensor> k_residual, std::vector<at::Tensor> v_residual, int64_t residual_format,
              int64_t group, int64_t rope) {
-        layers.push_back({layer, k, v, k_residual, v_residual, k_format, v_format, residual_format, group, rope});
+        TORCH_CHECK(group >= 0 && rope >= 0, "bad KV group or rotary table index");
+        layers.push_back({layer, kva::kv_stores(k, v, k_format, v_format, k_residual, v_residual, residual_format), group, rope});
     }
 
     // The first num_layers layers over x; per rotary table cos/sin, per KV group the step's block tables, context
-    // lengths, window and slots.
-    at::Tensor forward(at::Tensor x, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+    // lengths, window and slots (checked against each layer's stores).
+    at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                        const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& lens, const std::vector<int64_t>& windows,
                        const std::vector<at::Tensor>& slots, int64_t num_layers) {
         TORCH_CHECK(num_layers >= 0 && num_layers <= int64_t(layers.size()), "the stack has ", layers.size(), " layers, not ", num_layers);
+        const DecodeStep step(x, cos, sin, tables, lens, slots);
+        TORCH_CHECK(windows.size() == tables.size(), "one window per KV group");
         for (int64_t i = 0; i < num_layers; ++i) {
-            const Entry& e = layers[i];
-            TORCH_CHECK(e.rope < int64_t(cos.size()) && e.rope < int64_t(sin.size()) && e.group < int64_t(tables.size()) &&
-                        e.group < int64_t(lens.size()) && e.group < int64_t(windows.size()) && e.group < int64_t(slots.size()),
-                        "missing rotary tables or step arguments for layer ", i);
-            x = e.layer->forward(x, cos[e.rope], sin[e.rope], e.k, e.v, e.k_format, e.v_format, e.k_residual, e.v_residual,
-                                 e.residual_format, tables[e.group], lens[e.group], windows[e.group], slots[e.group]);
+            Entry& e = layers[i];
+            TORCH_CHECK(e.rope < int64_t(cos.size()) && e.group < int64_t(tables.size()), "missing rotary tables or step arguments for layer ", i);
+            if (e.checked != (step.H << 16 | step.D)) e.layer->check(step.H, step.D), e.checked = step.H << 16 | step.D;
+            step.check(*e.kv, e.group, windows[e.group]);
         }
-        return x;
+        at::Tensor y = x.clone();
+        for (int64_t i = 0; i < num_layers; ++i)
+            step.run(*layers[i].layer, *layers[i].kv, layers[i].rope, layers[i].group, windows[layers[i].group], y.data_ptr<float>());
+        return y;
     }
 };
 

@@ -283,76 +283,109 @@ Store make_store(const std::vector<at::Tensor>& parts, int64_t format, int64_t d
     return s;
 }
 
-// New tokens' K or V [T, KVH, D] written at their slots of a float store (F32, F16 or BF16, rounded as torch's .to()).
-void write_rows(const at::Tensor& x, const at::Tensor& data, const int64_t* slots) {
-    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "new K/V must be fp32 [T, KVH, D]");
-    const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2), rows = data.size(0) * data.size(1);
-    TORCH_CHECK(data.size(2) == KVH && data.size(3) == D, "new K/V do not match the cache");
-    for (int64_t t = 0; t < T; ++t) {
-        TORCH_CHECK(slots[t] >= 0 && slots[t] < rows, "slot ", slots[t], " is outside the pool");
+// New tokens' K or V rows (fp32, x + t * t_stride + h * h_stride) written at their rows of a float store (F32, F16
+// or BF16, rounded as torch's .to()).
+void write_rows(const Store& store, const float* x, int64_t t_stride, int64_t h_stride, int64_t T, const int64_t* slots, int64_t first) {
+    const int64_t KVH = store.kvh, D = store.dim;
+    for (int64_t t = 0; t < T; ++t)
         for (int64_t h = 0; h < KVH; ++h) {
-            const float* src = x.data_ptr<float>() + t * x.stride(0) + h * x.stride(1);
-            const int64_t at = (slots[t] * KVH + h) * D;
-            if (data.scalar_type() == at::kFloat) std::copy(src, src + D, data.data_ptr<float>() + at);
-            else if (data.scalar_type() == at::kHalf) std::copy(src, src + D, data.data_ptr<c10::Half>() + at);
-            else std::copy(src, src + D, data.data_ptr<c10::BFloat16>() + at);
+            const float* src = x + t * t_stride + h * h_stride;
+            const int64_t at = ((slots[t] - first) * KVH + h) * D;
+            void* data = const_cast<uint8_t*>(store.data);
+            if (store.format == F32) std::copy(src, src + D, static_cast<float*>(data) + at);
+            else if (store.format == F16) std::copy(src, src + D, static_cast<c10::Half*>(data) + at);
+            else std::copy(src, src + D, static_cast<c10::BFloat16*>(data) + at);
         }
+}
+
+// Values in a row of `bytes` bytes of a format (row_bytes' inverse).
+int64_t row_values(int format, int64_t bytes) {
+    switch (format) {
+        case F32: return bytes / 4;
+        case F16: case BF16: return bytes / 2;
+        case INT4: return bytes * 2;
+        case INT2_TOKEN: case INT2_CHANNEL: return bytes * 4;
+        default: return bytes;
     }
 }
 
 }  // namespace
 
-// q [B, H, D]; k, v: each a list of parts of a kvserve.kv format, values first ([blocks, block_size, KVH, ...]);
-// block_tables [B, W]; context_lens [B]. Ids >= blocks index k_residual / v_residual ([blocks', block_size, KVH, D],
-// in residual_format; empty lists: no residual pool). window > 0: each query sees only its last `window` keys
-// (a sliding-window layer; the blocks before them are never read). k_new/v_new [B, KVH, D] and slots [B]: the new
-// tokens' K/V, first written at their slots (of the residual pool where there is one, whose slots follow the main
-// pool's), for float stores.
-at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t k_format, int64_t v_format, const std::vector<at::Tensor>& k_residual,
-                                  const std::vector<at::Tensor>& v_residual, int64_t residual_format, int64_t window,
-                                  const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
-                                  const c10::optional<at::Tensor>& slots) {
-    const kvt::Scope timed;
-    if (slots.has_value()) {
-        const bool residual = !k_residual.empty();
-        const int64_t format = residual ? residual_format : k_format;
-        TORCH_CHECK(format <= BF16 && (residual || v_format <= BF16), "only float stores are written here");
-        TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() && k_new.has_value() && v_new.has_value() &&
-                    slots->size(0) == k_new->size(0) && slots->size(0) == v_new->size(0), "k_new, v_new and slots [T] go together");
-        std::vector<int64_t> at(slots->data_ptr<int64_t>(), slots->data_ptr<int64_t>() + slots->size(0));
-        if (residual)
-            for (auto& s : at) s -= k[0].size(0) * k[0].size(1);
-        write_rows(*k_new, residual ? k_residual[0] : k[0], at.data());
-        write_rows(*v_new, residual ? v_residual[0] : v[0], at.data());
-    }
-    TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be fp32 [B, H, D]");
-    TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables and lengths");
-    const at::Tensor q = q_in.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
-    const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-    const Store ks = make_store(k, k_format, D), vs = make_store(v, v_format, D);
-    const int64_t bs = ks.bs, KVH = ks.kvh, W = tables.size(1), num_main = k[0].size(0);
-    TORCH_CHECK(vs.bs == bs && vs.kvh == KVH && v[0].size(0) == num_main, "K and V stores do not agree");
-    TORCH_CHECK(H % KVH == 0 && tables.size(0) == B && lens.size(0) == B, "shapes do not agree");
-    int64_t num_residual = 0;
-    Store rks{}, rvs{};
+namespace kva {
+
+// A layer's K and V stores and its residual pool's, checked once.
+struct KVStores {
+    std::vector<at::Tensor> held;  // the stores' tensors: the pointers below are theirs
+    Store k, v, rk, rv;
+    int64_t num_main = 0, num_residual = 0;
+    bool writable = false;  // new tokens land in a float store: write_new can write them
+};
+
+std::shared_ptr<const KVStores> kv_stores(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v, int64_t k_format,
+                                          int64_t v_format, const std::vector<at::Tensor>& k_residual,
+                                          const std::vector<at::Tensor>& v_residual, int64_t residual_format) {
+    TORCH_CHECK(!k.empty() && k[0].dim() == 4, "KV data must be [blocks, block_size, kv_heads, ...]");
+    TORCH_CHECK(k_format >= F32 && k_format <= INT2_CHANNEL, "unknown KV format ", k_format);
+    const int64_t D = row_values(int(k_format), k[0].size(3) * k[0].element_size());
+    auto s = std::make_shared<KVStores>();
+    s->held = k;
+    s->held.insert(s->held.end(), v.begin(), v.end());
+    s->k = make_store(k, k_format, D), s->v = make_store(v, v_format, D);
+    s->num_main = k[0].size(0);
+    TORCH_CHECK(s->v.bs == s->k.bs && s->v.kvh == s->k.kvh && v[0].size(0) == s->num_main, "K and V stores do not agree");
     if (!k_residual.empty()) {
         TORCH_CHECK(residual_format <= BF16, "the residual pool holds floats");
-        rks = make_store(k_residual, residual_format, D), rvs = make_store(v_residual, residual_format, D);
-        TORCH_CHECK(rks.bs == bs && rks.kvh == KVH && v_residual[0].size(0) == k_residual[0].size(0), "bad residual KV");
-        num_residual = k_residual[0].size(0);
+        s->rk = make_store(k_residual, residual_format, D), s->rv = make_store(v_residual, residual_format, D);
+        TORCH_CHECK(s->rk.bs == s->k.bs && s->rk.kvh == s->k.kvh && v_residual[0].size(0) == k_residual[0].size(0), "bad residual KV");
+        s->num_residual = k_residual[0].size(0);
+        s->held.insert(s->held.end(), k_residual.begin(), k_residual.end());
+        s->held.insert(s->held.end(), v_residual.begin(), v_residual.end());
     }
-    const int64_t* tp = tables.data_ptr<int64_t>();
-    const int64_t* lp = lens.data_ptr<int64_t>();
-    auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lp[b] - window) : int64_t(0); };
-    int64_t max_len = 0;  // the most keys one query sees
+    s->writable = s->num_residual ? true : k_format <= BF16 && v_format <= BF16;
+    return s;
+}
+
+int64_t head_dim(const KVStores& s) { return s.k.dim; }
+
+void check_step(const KVStores& s, const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t window,
+                const at::Tensor* slots) {
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                block_tables.is_contiguous() && context_lens.is_contiguous(), "block tables and lengths must be contiguous int64");
+    const int64_t B = block_tables.size(0), W = block_tables.size(1), bs = s.k.bs;
+    TORCH_CHECK(context_lens.numel() == B, "one context length per block table row");
+    const int64_t* tp = block_tables.data_ptr<int64_t>();
+    const int64_t* lp = context_lens.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
         TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * bs, "context length ", lp[b], " does not fit ", W, " blocks");
-        max_len = std::max(max_len, lp[b] - first_key(b));
-        for (int64_t j = first_key(b) / bs; j < (lp[b] + bs - 1) / bs; ++j)
-            TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < num_main + num_residual, "block id out of range");
+        const int64_t first = window > 0 ? std::max<int64_t>(0, lp[b] - window) : 0;
+        for (int64_t j = first / bs; j < (lp[b] + bs - 1) / bs; ++j)
+            TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < s.num_main + s.num_residual, "block id out of range");
     }
+    if (slots == nullptr) return;
+    TORCH_CHECK(s.writable, "only float stores are written here");
+    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous(), "slots must be contiguous int64");
+    const int64_t first = s.num_residual ? s.num_main * bs : 0, rows = (s.num_residual ? s.num_residual : s.num_main) * bs;
+    for (int64_t t = 0; t < slots->numel(); ++t) {
+        const int64_t slot = slots->data_ptr<int64_t>()[t] - first;
+        TORCH_CHECK(slot >= 0 && slot < rows, "slot ", slot + first, " is outside the pool");
+    }
+}
+
+void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fresh, int64_t B, int64_t H, const int64_t* tables,
+            int64_t W, const int64_t* lens, double scale, int64_t window, float* out) {
+    const kvt::Scope timed;
+    const Store &ks = s.k, &vs = s.v, &rks = s.rk, &rvs = s.rv;
+    const int64_t D = ks.dim, bs = ks.bs, KVH = ks.kvh, num_main = s.num_main;
+    if (fresh != nullptr) {  // the residual pool's slots follow the main pool's
+        const int64_t first = s.num_residual ? num_main * bs : 0;
+        write_rows(s.num_residual ? rks : ks, fresh->k, fresh->k_t, fresh->k_h, B, fresh->slots, first);
+        write_rows(s.num_residual ? rvs : vs, fresh->v, fresh->v_t, fresh->v_h, B, fresh->slots, first);
+    }
+    const int64_t* tp = tables;
+    const int64_t* lp = lens;
+    auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lp[b] - window) : int64_t(0); };
+    int64_t max_len = 0;  // the most keys one query sees
+    for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b] - first_key(b));
     // One task per (sequence, chunk of its context) covers every head, a block at a time, so each block's rows are
     // read whole and in order. Flash-decoding: with fewer sequences than threads can share well, a context is split
     // into chunks of whole blocks (at least four: a batch-1 step splits from 128 keys on, and both threads fetch
@@ -363,10 +396,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
     const int64_t splits = std::min(ceil_div(4 * at::get_num_threads(), B), std::max<int64_t>(1, max_len / (4 * bs)));
     const int64_t chunk = ceil_div(ceil_div(max_len, splits), bs) * bs;
     const int64_t C = ceil_div(max_len, chunk);
-    at::Tensor partial = at::empty({B, C, H, D + 2}, q.options());  // per chunk and query head: output, max, sum
-    at::Tensor out = at::empty_like(q);
-    const float* qp = q.data_ptr<float>();
-    float *pp = partial.data_ptr<float>(), *op = out.data_ptr<float>();
+    thread_local std::vector<float> partial;  // per chunk and query head: output, max, sum
+    partial.resize(B * C * H * (D + 2));
+    float *pp = partial.data(), *op = out;
     at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(H * chunk), buffer(bs * D), cscale(D), cmin(D);
         std::vector<int64_t> rows(bs);
@@ -403,10 +435,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
                 for (int64_t g = 0; g < KVH; ++g)
                     with_block_rows(ks, rks, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
                         float* s = scores.data() + g * G * chunk + t - t0;
-                        if (wide) kva::scores_avx512(format_of(base), qp + (b * H + g * G) * D, G, base, rows.data() + o, n, D, float(scale), s, chunk);
+                        if (wide) kva::scores_avx512(format_of(base), q + b * q_stride + g * G * D, G, base, rows.data() + o, n, D, float(scale), s, chunk);
                         else
                             for (int64_t h = 0; h < G; ++h)
-                                query_scores(qp + (b * H + g * G + h) * D, base, rows.data() + o, n, D, float(scale), s + h * chunk);
+                                query_scores(q + b * q_stride + (g * G + h) * D, base, rows.data() + o, n, D, float(scale), s + h * chunk);
                     });
             }
             for (int64_t h = 0; h < H; ++h) {
@@ -434,7 +466,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
             }
         }
     });
-    if (C == 1) return out;
+    if (C == 1) return;
     at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
         for (int64_t bh = begin; bh < end; ++bh) {
             const float* first = pp + (bh / H * C * H + bh % H) * (D + 2);  // chunk c at first + c * H * (D + 2)
@@ -453,6 +485,42 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
             for (int64_t i = 0; i < D; ++i) o[i] *= inv;
         }
     });
+}
+
+}  // namespace kva
+
+// q [B, H, D]; k, v: each a list of parts of a kvserve.kv format, values first ([blocks, block_size, KVH, ...]);
+// block_tables [B, W]; context_lens [B]. Ids >= blocks index k_residual / v_residual ([blocks', block_size, KVH, D],
+// in residual_format; empty lists: no residual pool). window > 0: each query sees only its last `window` keys
+// (a sliding-window layer; the blocks before them are never read). k_new/v_new [B, KVH, D] and slots [B]: the new
+// tokens' K/V, first written at their slots (of the residual pool where there is one, whose slots follow the main
+// pool's), for float stores.
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t k_format, int64_t v_format, const std::vector<at::Tensor>& k_residual,
+                                  const std::vector<at::Tensor>& v_residual, int64_t residual_format, int64_t window,
+                                  const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
+                                  const c10::optional<at::Tensor>& slots) {
+    TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be fp32 [B, H, D]");
+    const at::Tensor q = q_in.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+    const auto stores = kva::kv_stores(k, v, k_format, v_format, k_residual, v_residual, residual_format);
+    TORCH_CHECK(kva::head_dim(*stores) == D, "KV data does not hold ", D, " values per row in format ", k_format);
+    TORCH_CHECK(H % stores->k.kvh == 0 && tables.size(0) == B, "shapes do not agree");
+    kva::check_step(*stores, tables, lens, window, slots.has_value() ? &*slots : nullptr);
+    kva::NewKV fresh{};
+    if (slots.has_value()) {
+        TORCH_CHECK(k_new.has_value() && v_new.has_value() && slots->numel() == B && k_new->size(0) == B && v_new->size(0) == B,
+                    "k_new, v_new and slots [T] go together");
+        for (const at::Tensor* x : {&*k_new, &*v_new})
+            TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kFloat && x->stride(2) == 1 && x->size(1) == stores->k.kvh && x->size(2) == D,
+                        "new K/V must be fp32 [T, KVH, D] matching the cache");
+        fresh = {k_new->data_ptr<float>(), v_new->data_ptr<float>(), k_new->stride(0), k_new->stride(1), v_new->stride(0),
+                 v_new->stride(1), slots->data_ptr<int64_t>()};
+    }
+    at::Tensor out = at::empty_like(q);
+    kva::attend(*stores, q.data_ptr<float>(), H * D, slots.has_value() ? &fresh : nullptr, B, H, tables.data_ptr<int64_t>(),
+                tables.size(1), lens.data_ptr<int64_t>(), scale, window, out.data_ptr<float>());
     return out;
 }
 

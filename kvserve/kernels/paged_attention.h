@@ -1,7 +1,9 @@
-// Paged decode attention (paged_attention.cpp), for the fused decoder layer to call directly.
+// Paged decode attention (paged_attention.cpp): the op, and the parts the fused decoder layers call directly, on
+// a layer's stores checked once and raw step arguments.
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <vector>
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
@@ -10,3 +12,32 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
                                   const std::vector<at::Tensor>& v_residual, int64_t residual_format, int64_t window,
                                   const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
                                   const c10::optional<at::Tensor>& slots);
+
+namespace kva {
+
+struct KVStores;  // a layer's K and V stores (and residual pool's), checked once
+
+// The stores of paged_decode_attention's arguments; they hold the tensors.
+std::shared_ptr<const KVStores> kv_stores(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v, int64_t k_format,
+                                          int64_t v_format, const std::vector<at::Tensor>& k_residual,
+                                          const std::vector<at::Tensor>& v_residual, int64_t residual_format);
+
+int64_t head_dim(const KVStores& s);
+
+// TORCH_CHECKs a step's block tables [B, W] and context lengths [B] (and slots [B], to be written) against the stores.
+void check_step(const KVStores& s, const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t window,
+                const at::Tensor* slots);
+
+// The step's new K and V rows (fp32, row t of head h at k + t * k_t + h * k_h) and the slots they go to.
+struct NewKV {
+    const float *k, *v;
+    int64_t k_t, k_h, v_t, v_h;
+    const int64_t* slots;
+};
+
+// Writes `fresh` (if given), then out [B, H, D] = attention of the B queries (query b's H heads at q + b * q_stride)
+// over their blocks; the arguments must have passed check_step.
+void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fresh, int64_t B, int64_t H, const int64_t* tables,
+            int64_t W, const int64_t* lens, double scale, int64_t window, float* out);
+
+}  // namespace kva
