@@ -148,6 +148,17 @@ def test_paged_decode_attention_rejects_lengths_past_the_table():
                                             1.0, 0, 0, [], [], 0)
 
 
+def test_paged_decode_attention_rejects_blocks_and_slots_outside_the_pool():
+    cache, q, new = torch.zeros(4, 4, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8)
+    attend = lambda tables, slots: native_ops().paged_decode_attention(  # noqa: E731
+        q, [cache], [cache], torch.tensor([tables]), torch.tensor([5]), 1.0, 0, 0, [], [], 0, 0, new, new, torch.tensor([slots]))
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        attend([0, 4], 4)
+    with pytest.raises(RuntimeError, match="slot 16 is outside the pool"):
+        attend([0, 1], 16)
+    assert attend([0, 1], 4).shape == (1, 1, 8)
+
+
 def test_rms_norm_equals_torch():
     x, w = torch.randn(5, 3, 96), torch.randn(96)
     torch.testing.assert_close(native_ops().rms_norm(x, w, 1e-6), F.rms_norm(x, (96,), w, 1e-6))
@@ -215,3 +226,6 @@ def test_fused_decode_layers_give_the_module_paths_logits(matmul_dtype):
         for x, y, z in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, c.outputs[0].logprobs):
             assert x.logprob == y.logprob and list(x.top) == list(y.top)  # the same calls, from C++ instead of Python
             assert x.logprob == pytest.approx(z.logprob, abs=1e-5) and list(x.top) == list(z.top)
+    x, rope = torch.zeros(1, 576), torch.zeros(1, 64)  # the stack checks a step's arguments before any layer writes
+    with pytest.raises(RuntimeError, match="slot 1000000000 is outside the pool"):
+        stack.forward(x, [rope], [rope], [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([10**9])], len(layers))
