@@ -141,6 +141,22 @@ def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim, window, isa):
         torch.testing.assert_close(out[b], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("length", [70, 130, 300, 700, 2000])
+def test_paged_decode_attention_of_a_row_does_not_depend_on_its_batch(length, isa):
+    """A query's output is bit for bit the same alone and beside longer ones: a speculative step's verification
+    rows (contexts L, L + 1, ...) then equal the one-token steps they stand for, and greedy outputs match."""
+    g = torch.Generator().manual_seed(length)
+    block_size, blocks = 16, -(-(length + 600) // 16)
+    k_cache, v_cache = (torch.randn(blocks, block_size, 2, 64, generator=g).half() for _ in range(2))
+    tables = torch.randperm(blocks, generator=g).view(1, blocks).repeat(3, 1)
+    q = torch.randn(3, 6, 64, generator=g)
+    attend = lambda rows, lens: native_ops().paged_decode_attention(  # noqa: E731
+        q[:rows], [k_cache], [v_cache], tables[:rows], torch.tensor(lens), 0.125, 1, 1, [], [], 0)
+    alone = attend(1, [length])
+    assert torch.equal(attend(2, [length, length + 1])[0], alone[0])
+    assert torch.equal(attend(3, [length, length + 1, length + 600])[0], alone[0])
+
+
 def test_paged_decode_attention_rejects_lengths_past_the_table():
     cache = torch.zeros(4, 4, 1, 8)
     with pytest.raises(RuntimeError, match="context length 9 does not fit 2 blocks"):

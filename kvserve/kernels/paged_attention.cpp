@@ -384,23 +384,29 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
     const int64_t* tp = tables;
     const int64_t* lp = lens;
     auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lp[b] - window) : int64_t(0); };
-    int64_t max_len = 0;  // the most keys one query sees
-    for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b] - first_key(b));
     // One task per (sequence, chunk of its context) covers every head, a block at a time, so each block's rows are
-    // read whole and in order. Flash-decoding: with fewer sequences than threads can share well, a context is split
-    // into chunks of whole blocks (at least four: a batch-1 step splits from 128 keys on, and both threads fetch
-    // the blocks that the weight stream has evicted); every chunk keeps its own softmax max and sum per head, merged
-    // at the end.
+    // read whole and in order. Flash-decoding: a context of L keys splits into chunks of whole blocks, which threads
+    // share (two from 128 keys on, so that both threads of a batch-1 step fetch the blocks the weight stream evicted;
+    // at most eight); every chunk keeps its own softmax max and sum per head, merged at the end. The chunks depend
+    // on L alone, so a query's output never depends on the queries beside it: a speculative step's verification
+    // rows give the numbers of the one-token steps they stand for.
+    thread_local std::vector<int64_t> chunk_sizes, first_tasks;  // per sequence: its chunks' size; its first task, and the end
+    chunk_sizes.resize(B), first_tasks.assign(B + 1, 0);
+    int64_t* chunks = chunk_sizes.data();  // this thread's buffers: their addresses, for the workers
+    int64_t* tasks = first_tasks.data();
+    int64_t stride = 0;  // the longest chunk: the scores buffer's row
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t L = lp[b] - first_key(b), splits = std::clamp<int64_t>(L / (4 * bs), 1, 8);
+        chunks[b] = ceil_div(ceil_div(L, splits), bs) * bs, stride = std::max(stride, chunks[b]);
+        tasks[b + 1] = tasks[b] + ceil_div(L, chunks[b]);
+    }
     const int64_t G = H / KVH;
     const bool wide = kvq::avx512_enabled() && D % 64 == 0;
-    const int64_t splits = std::min(ceil_div(4 * at::get_num_threads(), B), std::max<int64_t>(1, max_len / (4 * bs)));
-    const int64_t chunk = ceil_div(ceil_div(max_len, splits), bs) * bs;
-    const int64_t C = ceil_div(max_len, chunk);
-    thread_local std::vector<float> partial;  // per chunk and query head: output, max, sum
-    partial.resize(B * C * H * (D + 2));
+    thread_local std::vector<float> partial;  // per task and query head: output, max, sum
+    partial.resize(tasks[B] * H * (D + 2));
     float *pp = partial.data(), *op = out;
-    at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(H * chunk), buffer(bs * D), cscale(D), cmin(D);
+    at::parallel_for(0, tasks[B], 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(H * stride), buffer(bs * D), cscale(D), cmin(D);
         std::vector<int64_t> rows(bs);
         // Rows of block `id` of K or V (main store m, residual store r) for head g, handed to f as a typed pointer with
         // `rows`: float caches where they lie, other formats dequantized into `buffer`.
@@ -422,27 +428,23 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
             f(static_cast<const float*>(buffer.data()));
         };
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t b = item / C, c = item % C;
-            const int64_t t0 = first_key(b) + c * chunk, t1 = std::min(lp[b], t0 + chunk), L = t1 - t0;
+            const int64_t b = std::upper_bound(tasks, tasks + B + 1, item) - tasks - 1;
+            const int64_t t0 = first_key(b) + (item - tasks[b]) * chunks[b], t1 = std::min(lp[b], t0 + chunks[b]), L = t1 - t0;
             float* part = pp + item * H * (D + 2);
-            if (L <= 0) {  // this sequence is shorter: the chunk adds nothing
-                for (int64_t h = 0; h < H; ++h) part[h * (D + 2) + D + 1] = 0.0f, part[h * (D + 2) + D] = -INFINITY;
-                continue;
-            }
             for (int64_t t = t0, n; t < t1; t += n) {  // a window starts anywhere in a block: o rows of it are skipped
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
                 for (int64_t g = 0; g < KVH; ++g)
                     with_block_rows(ks, rks, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
-                        float* s = scores.data() + g * G * chunk + t - t0;
-                        if (wide) kva::scores_avx512(format_of(base), q + b * q_stride + g * G * D, G, base, rows.data() + o, n, D, float(scale), s, chunk);
+                        float* s = scores.data() + g * G * stride + t - t0;
+                        if (wide) kva::scores_avx512(format_of(base), q + b * q_stride + g * G * D, G, base, rows.data() + o, n, D, float(scale), s, stride);
                         else
                             for (int64_t h = 0; h < G; ++h)
-                                query_scores(q + b * q_stride + (g * G + h) * D, base, rows.data() + o, n, D, float(scale), s + h * chunk);
+                                query_scores(q + b * q_stride + (g * G + h) * D, base, rows.data() + o, n, D, float(scale), s + h * stride);
                     });
             }
             for (int64_t h = 0; h < H; ++h) {
-                const auto [m, sum] = exp_scores(scores.data() + h * chunk, L);
+                const auto [m, sum] = exp_scores(scores.data() + h * stride, L);
                 std::fill(part + h * (D + 2), part + h * (D + 2) + D, 0.0f);
                 part[h * (D + 2) + D] = m, part[h * (D + 2) + D + 1] = sum;
             }
@@ -451,13 +453,13 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                 n = std::min(bs - o, t1 - t);
                 for (int64_t g = 0; g < KVH; ++g)
                     with_block_rows(vs, rvs, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
-                        const float* p = scores.data() + g * G * chunk + t - t0;
-                        if (wide) kva::values_avx512(format_of(base), p, chunk, G, base, rows.data() + o, n, D, part + g * G * (D + 2), D + 2);
+                        const float* p = scores.data() + g * G * stride + t - t0;
+                        if (wide) kva::values_avx512(format_of(base), p, stride, G, base, rows.data() + o, n, D, part + g * G * (D + 2), D + 2);
                         else
-                            for (int64_t h = 0; h < G; ++h) weighted_values(p + h * chunk, base, rows.data() + o, n, D, part + (g * G + h) * (D + 2));
+                            for (int64_t h = 0; h < G; ++h) weighted_values(p + h * stride, base, rows.data() + o, n, D, part + (g * G + h) * (D + 2));
                     });
             }
-            if (C == 1) {  // the whole context in one chunk: normalize here, no merge pass
+            if (tasks[b + 1] - tasks[b] == 1) {  // the whole context in one chunk: normalize here, no merge
                 for (int64_t h = 0; h < H; ++h) {
                     const float inv = 1.0f / part[h * (D + 2) + D + 1];
                     float* o = op + (b * H + h) * D;
@@ -466,17 +468,18 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
             }
         }
     });
-    if (C == 1) return;
+    if (tasks[B] == B) return;
     at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
         for (int64_t bh = begin; bh < end; ++bh) {
-            const float* first = pp + (bh / H * C * H + bh % H) * (D + 2);  // chunk c at first + c * H * (D + 2)
+            const int64_t b = bh / H, C = tasks[b + 1] - tasks[b];
+            if (C == 1) continue;
+            const float* first = pp + (tasks[b] * H + bh % H) * (D + 2);  // chunk c at first + c * H * (D + 2)
             float m = -INFINITY, sum = 0.0f;
             for (int64_t c = 0; c < C; ++c) m = std::max(m, first[c * H * (D + 2) + D]);
             float* o = op + bh * D;
             std::fill(o, o + D, 0.0f);
             for (int64_t c = 0; c < C; ++c) {
                 const float* part = first + c * H * (D + 2);
-                if (part[D + 1] == 0.0f) continue;
                 const float w = std::exp(part[D] - m);
                 sum += w * part[D + 1];
                 for (int64_t i = 0; i < D; ++i) o[i] += w * part[i];
