@@ -318,7 +318,7 @@ struct KVStores {
     std::vector<at::Tensor> held;  // the stores' tensors: the pointers below are theirs
     Store k, v, rk, rv;
     int64_t num_main = 0, num_residual = 0;
-    bool writable = false;  // new tokens land in a float store: write_new can write them
+    bool writable = false;  // new tokens land in a float store (the residual pool's, where there is one): attend writes them
 };
 
 std::shared_ptr<const KVStores> kv_stores(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v, int64_t k_format,
@@ -341,7 +341,7 @@ std::shared_ptr<const KVStores> kv_stores(const std::vector<at::Tensor>& k, cons
         s->held.insert(s->held.end(), k_residual.begin(), k_residual.end());
         s->held.insert(s->held.end(), v_residual.begin(), v_residual.end());
     }
-    s->writable = s->num_residual ? true : k_format <= BF16 && v_format <= BF16;
+    s->writable = s->num_residual > 0 || (k_format <= BF16 && v_format <= BF16);
     return s;
 }
 
