@@ -215,27 +215,33 @@ struct DecodeStack : torch::CustomClassHolder {
     };
     std::vector<Entry> layers;
 
-    // The next layer, its stores (NativeCPUBackend.stores), its KV group and its rotary table's index.
+    // The next layer, its stores (NativeCPUBackend.stores), its KV group and its rotary table's index. A group's
+    // layers hold blocks of one pool (the same counts, block size, heads and formats), so a step's block tables and
+    // slots are checked once per group.
     void add(const c10::intrusive_ptr<DecodeLayer>& layer, std::vector<at::Tensor> k, std::vector<at::Tensor> v, int64_t k_format,
              int64_t v_format, std::vector<at::Tensor> k_residual, std::vector<at::Tensor> v_residual, int64_t residual_format,
              int64_t group, int64_t rope) {
         TORCH_CHECK(group >= 0 && rope >= 0, "bad KV group or rotary table index");
-        layers.push_back({layer, kva::kv_stores(k, v, k_format, v_format, k_residual, v_residual, residual_format), group, rope});
+        auto kv = kva::kv_stores(k, v, k_format, v_format, k_residual, v_residual, residual_format);
+        for (const Entry& e : layers)
+            TORCH_CHECK(e.group != group || kva::same_pool(*e.kv, *kv), "layer ", layers.size(), "'s KV stores are not its group's pool");
+        layers.push_back({layer, kv, group, rope});
     }
 
     // The first num_layers layers over x; per rotary table cos/sin, per KV group the step's block tables, context
-    // lengths, window and slots (checked against each layer's stores).
+    // lengths, window and slots (checked against the group's pool).
     at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                        const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& lens, const std::vector<int64_t>& windows,
                        const std::vector<at::Tensor>& slots, int64_t num_layers) {
         TORCH_CHECK(num_layers >= 0 && num_layers <= int64_t(layers.size()), "the stack has ", layers.size(), " layers, not ", num_layers);
         const DecodeStep step(x, cos, sin, tables, lens, slots);
         TORCH_CHECK(windows.size() == tables.size(), "one window per KV group");
+        std::vector<bool> checked_groups(tables.size());
         for (int64_t i = 0; i < num_layers; ++i) {
             Entry& e = layers[i];
             TORCH_CHECK(e.rope < int64_t(cos.size()) && e.group < int64_t(tables.size()), "missing rotary tables or step arguments for layer ", i);
             if (e.checked != (step.H << 16 | step.D)) e.layer->check(step.H, step.D), e.checked = step.H << 16 | step.D;
-            step.check(*e.kv, e.group, windows[e.group]);
+            if (!checked_groups[e.group]) step.check(*e.kv, e.group, windows[e.group]), checked_groups[e.group] = true;
         }
         at::Tensor y = x.clone();
         for (int64_t i = 0; i < num_layers; ++i)

@@ -347,6 +347,12 @@ std::shared_ptr<const KVStores> kv_stores(const std::vector<at::Tensor>& k, cons
 
 int64_t head_dim(const KVStores& s) { return s.k.dim; }
 
+bool same_pool(const KVStores& a, const KVStores& b) {
+    auto alike = [](const Store& x, const Store& y) { return x.format == y.format && x.bs == y.bs && x.kvh == y.kvh && x.dim == y.dim; };
+    return a.num_main == b.num_main && a.num_residual == b.num_residual && a.writable == b.writable && alike(a.k, b.k) &&
+           alike(a.v, b.v) && (a.num_residual == 0 || (alike(a.rk, b.rk) && alike(a.rv, b.rv)));
+}
+
 void check_step(const KVStores& s, const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t window,
                 const at::Tensor* slots) {
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong && block_tables.dim() == 2 &&

@@ -24,6 +24,10 @@ std::shared_ptr<const KVStores> kv_stores(const std::vector<at::Tensor>& k, cons
 
 int64_t head_dim(const KVStores& s);
 
+// Whether two layers' stores are alike (block and slot counts, block size, KV heads, head size and formats): a
+// step's block tables and slots that pass check_step for one pass for the other.
+bool same_pool(const KVStores& a, const KVStores& b);
+
 // TORCH_CHECKs a step's block tables [B, W] and context lengths [B] (and slots [B], to be written) against the stores.
 void check_step(const KVStores& s, const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t window,
                 const at::Tensor* slots);
