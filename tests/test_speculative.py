@@ -206,6 +206,27 @@ def test_model_drafts_keep_greedy_outputs(smollm2, speculative):
     assert llm.engine.kv_manager.pool.num_used == 0 and llm.engine.proposer.kv.pool.num_used == 0  # shadows let go
 
 
+def test_a_drafts_steps_past_the_prompt_run_in_the_native_layer_stack(tiny_model_dir):
+    """The draft's layers are fused before its runner stacks them, and its catch-up on several tokens past the
+    prompt (accepted guesses, then the target's token) attends as decodes: every step after the prompt is one
+    native call for all layers."""
+    llm = LLM(str(tiny_model_dir), speculative=f"draft:model={tiny_model_dir},k=3,min_acceptance=0", **FP32)
+    backend = llm.engine.proposer.runner.backend
+    assert backend.stack is not None
+    steps, run_layers = [], backend.run_layers
+
+    def spy(x, *args):
+        out = run_layers(x, *args)
+        steps.append((x.shape[0], out is not None))
+        return out
+
+    backend.run_layers = spy
+    out = llm.generate([[5, 9, 14, 3, 77, 21]], greedy(24), use_tqdm=False)[0]
+    assert out.metrics.num_accepted_tokens > 0
+    assert steps[0] == (len(out.prompt_token_ids) + 1, False)  # the prompt and the target's first token: a prefill
+    assert all(native for _, native in steps[1:]) and any(rows > 1 for rows, _ in steps[1:])
+
+
 def test_a_draft_needs_the_targets_vocabulary(tiny_model_dir, tmp_path):
     from tests.conftest import save_tiny_llama
 
@@ -369,7 +390,7 @@ def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
     save_tiny_llama(tmp_path / "target", num_hidden_layers=4, initializer_range=0.2)  # peaked distributions to learn
     rng = random.Random(0)
     text = [rng.randrange(256) for _ in range(3000)]
-    settings = DistillSettings(model=str(tmp_path / "target"), out=str(tmp_path / "draft"), layers=2, steps=80, batch=4,
+    settings = DistillSettings(model=str(tmp_path / "target"), out=str(tmp_path / "draft"), layers=2, mlp=96, steps=80, batch=4,
                                seq_len=32, lr=3e-3, eval_windows=4, acceptance_prompts=2, vocab=200)
     report = distill(settings, token_ids=text, progress=False)
     assert report["kept_layers"] == [0, 3]
@@ -380,7 +401,7 @@ def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
     assert (tmp_path / "draft" / "loss.png").stat().st_size > 0
     assert report["acceptance"]["draft_tokens"] > 0
     draft = LLM(str(tmp_path / "draft"))
-    assert draft.engine.checkpoint.config.num_layers == 2
+    assert draft.engine.checkpoint.config.num_layers == 2 and draft.engine.checkpoint.config.intermediate_size == 96
     target = LLM(str(tmp_path / "target"), **FP32)
     spec = LLM(str(tmp_path / "target"), speculative=f"draft:model={tmp_path / 'draft'},min_acceptance=0", **FP32)
     prompts = [text[:20], text[100:110]]
@@ -391,6 +412,34 @@ def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
     assert head.head.out_features == 200 and sorted(head.ids.tolist()) == sorted(listed)
     fewer = LLM(str(tmp_path / "target"), speculative=f"draft:model={tmp_path / 'draft'},vocab=50", **FP32)
     assert fewer.engine.proposer.runner.model.lm_head.ids.tolist() == listed[:50]  # the 50 most frequent
+
+
+def test_narrowing_an_mlp_keeps_its_most_active_neurons(tmp_path):
+    from tests.conftest import save_tiny_llama
+
+    from kvserve.spec_decode.distill import narrow_mlp
+
+    model = save_tiny_llama(tmp_path)  # 128 intermediate neurons
+    window = list(range(3, 40))
+    seen = []
+    mlp = model.model.layers[1].mlp
+    hook = mlp.down_proj.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(torch.tensor([window]))
+    hook.remove()
+    keep = seen[0].abs().sum((0, 1)).topk(40).indices
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        inner = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+        dropped = torch.ones(128, dtype=torch.bool)
+        dropped[keep] = False
+        want = mlp.down_proj(inner.masked_fill(dropped, 0))  # the full MLP without the 88 least active neurons
+        narrow_mlp(model, 40, [window])
+        got = model.model.layers[1].mlp(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert model.config.intermediate_size == 40 and model.model.layers[0].mlp.up_proj.weight.shape == (40, 64)
+    with pytest.raises(KVServeError, match="--mlp must be in 1..39"):
+        narrow_mlp(model, 40, [window])
 
 
 def test_vocab_subset_head_gives_the_full_heads_logits_at_its_ids():

@@ -50,16 +50,21 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig, max_model_len: int, layout: KVLayout, num_blocks: int,
-                 num_residual: int = 0, model: torch.nn.Module | None = None):
-        """`model`: one already built (a self-speculative draft runs the target's own first layers)."""
+                 num_residual: int = 0, model: torch.nn.Module | None = None, q8_weights: bool = False):
+        """`model`: one already built (a self-speculative draft runs the target's own first layers). `q8_weights`:
+        dense linear layers quantized to Q8_0 where the kernels run natively (a draft: its speed matters, not its
+        last digit)."""
         self.config, self.device = config, config.torch_device
         self.native = config.native_kernels and self.device.type == "cpu" and config.dtype == "float32" and native_ops()
         self.model = model
         if model is None:
             self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device, quantized=bool(self.native))
+            int8 = config.matmul_dtype != "float32"
             if self.native:
-                self.model.use_native_kernels(int8_activations=config.matmul_dtype != "float32")
-            if config.bf16_matmuls:
+                self.model.use_native_kernels(int8_activations=int8)
+            if self.native and q8_weights:
+                self.model.use_q8_weights()
+            elif config.bf16_matmuls:
                 self.model.use_bf16_matmuls()
             self.model.fuse_decode_layers()
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
@@ -155,9 +160,11 @@ class ModelRunner:
             shift = np.array([0 if p is None or p.reposition else s.num_evicted_tokens for s, p in zip(batch.seqs, policies)])
             positions = positions + shift[owner]
         q_starts, q_counts, q_offsets, q_tables = starts, counts, offsets, tables  # a query row per sequence...
-        verifying = [bool(s.draft_token_ids) for s in batch.seqs]
-        if any(verifying):  # ...but a guessing sequence's tokens attend as decodes, each with its own context
-            q_starts, q_counts, q_offsets, q_tables = _queries_per_token(np.array(verifying), starts, counts, offsets, tables)
+        past_prompt = not any(policies)  # (a policy's votes are counted per sequence, not per query)
+        per_token = [bool(s.draft_token_ids) or (past_prompt and s.num_computed_tokens >= s.num_prompt_tokens) for s in batch.seqs]
+        if any(per_token) and counts.max() > 1:  # ...but the tokens of a guessing sequence, or of a draft catching up
+            # on its output past the prompt, attend as decodes, each with its own context (the arithmetic of one-token steps)
+            q_starts, q_counts, q_offsets, q_tables = _queries_per_token(np.array(per_token), starts, counts, offsets, tables)
         # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
         votes = _voters(batch) if any(policies) else None
         selections = [rows for rows in (q_counts == 1, (q_counts > 1) & (q_starts == 0), (q_counts > 1) & (q_starts > 0)) if rows.any()]

@@ -319,7 +319,7 @@ def _add_eval_parser(sub) -> None:
 def cmd_distill(args: argparse.Namespace) -> None:
     from kvserve.spec_decode.distill import DistillSettings, distill
 
-    settings = DistillSettings(model=args.model, out=args.out, layers=args.layers, steps=args.steps, batch=args.batch,
+    settings = DistillSettings(model=args.model, out=args.out, layers=args.layers, mlp=args.mlp, steps=args.steps, batch=args.batch,
                                seq_len=args.seq_len, lr=args.lr, temperature=args.temperature, text=args.text, answers=args.answers,
                                vocab=args.vocab, seed=args.seed)
     report = distill(settings)
@@ -342,6 +342,8 @@ def _add_distill_parser(sub) -> None:
     di.add_argument("--model", default=d.model)
     di.add_argument("--out", default=d.out, help="directory the draft is saved to (Hugging Face format)")
     di.add_argument("--layers", type=int, default=d.layers, help="decoder layers kept: the first ones and the last LAYERS // 3")
+    di.add_argument("--mlp", type=int, default=d.mlp, metavar="WIDTH",
+                    help="narrow each kept MLP to its WIDTH most active intermediate neurons (0: keep its width)")
     di.add_argument("--steps", type=int, default=d.steps)
     di.add_argument("--batch", type=int, default=d.batch, help="windows per step")
     di.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per window")

@@ -114,14 +114,11 @@ class CausalLM(nn.Module):
             raise KVServeError(f"a draft vocabulary must be 1..{self.config.vocab_size} token ids below {self.config.vocab_size}")
         self.lm_head = VocabSubset(self.lm_head, ids)
 
-    def use_q8_weights(self, int8_activations: bool) -> None:
-        """Every dense linear layer quantized to Q8_0, and native norms (a draft model: it reads 8.5 bits per
-        weight instead of 32 or 16)."""
-        self.use_native_kernels(int8_activations)
+    def use_q8_weights(self) -> None:
+        """Every dense linear layer quantized to Q8_0 (a draft model: it reads 8.5 bits per weight instead of 32 or 16)."""
         for module in self.modules():
             if isinstance(module, Linear) and module.weight is not None and module.in_features % 32 == 0:
                 module.use_quantized(_q8(module.weight))
-        self.fuse_decode_layers()
 
     def fuse_decode_layers(self) -> int:
         """Layers that can run steps of a few rows as fused native ops do so (models/llama.py: DecoderLayer.fuse), once

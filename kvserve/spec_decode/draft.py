@@ -55,9 +55,7 @@ class ModelProposer(Proposer):
                                      cache_type_k=None, cache_type_v=None, enable_prefix_caching=False)
         layout = build_layout(spec_from_hf_config(hf_config, checkpoint.name), *config.kv_dtypes, config.block_size)
         num_blocks = engine.kv_manager.num_blocks // len(engine.layout.groups) * len(layout.groups)  # the target's tokens
-        self.runner = ModelRunner(checkpoint, config, engine.max_model_len, layout, num_blocks, model=model)
-        if model is None and self.runner.native:
-            self.runner.model.use_q8_weights(config.matmul_dtype != "float32")  # a draft's speed matters, not its last digit
+        self.runner = ModelRunner(checkpoint, config, engine.max_model_len, layout, num_blocks, model=model, q8_weights=True)
         vocab = self.vocab_ids(checkpoint)
         if vocab is not None:
             self.runner.model.restrict_vocab(torch.tensor(vocab, dtype=torch.long))
