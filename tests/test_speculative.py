@@ -438,7 +438,7 @@ def test_narrowing_an_mlp_keeps_its_most_active_neurons(tmp_path):
         got = model.model.layers[1].mlp(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert model.config.intermediate_size == 40 and model.model.layers[0].mlp.up_proj.weight.shape == (40, 64)
-    with pytest.raises(KVServeError, match="--mlp must be in 1..39"):
+    with pytest.raises(KVServeError, match=r"--mlp must be below the model's MLP width \(40\), got 40"):
         narrow_mlp(model, 40, [window])
 
 

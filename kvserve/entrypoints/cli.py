@@ -327,7 +327,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
         print(json.dumps(report, indent=2))
         return
     b, a, acc = report["before"], report["after"], report["acceptance"]
-    print(f"draft: {args.out} (layers {report['kept_layers']} of {args.model}); loss curve: {Path(args.out) / 'loss.png'}")
+    width = f", MLP width {args.mlp}" if args.mlp else ""
+    print(f"draft: {args.out} (layers {report['kept_layers']} of {args.model}{width}); loss curve: {Path(args.out) / 'loss.png'}")
     print(f"perplexity on held-out text: target {report['target_perplexity']:.2f}, draft {b['perplexity']:.2f} pruned "
           f"-> {a['perplexity']:.2f} distilled; KL to the target {b['kl_mean']:.3f} -> {a['kl_mean']:.3f}")
     print(f"acceptance (greedy, k=4): {acc['accepted_tokens']}/{acc['draft_tokens']} = {acc['rate']:.1%}")

@@ -2,12 +2,13 @@
 
 Pruning keeps the target's first decoder layers and its last third of `layers` (deep middle layers change the
 residual stream least; SmolLM2 pruned to 10 layers starts at KL 8.7 from the target keeping the first 7 and last
-3, 15.9 keeping the first 9 and last 1, 17.3 keeping the first 10), with its embeddings, final norm and LM head. Distillation then trains the kept layers
-and norms (the embedding, tied to the head, stays frozen) to match the target's next-token distributions,
-softened by a temperature, with Hinton's KL loss. The teacher is kvserve itself: the target scores each batch's
-windows through its paged cache (SamplingParams(prompt_distributions=True)). The student is a transformers
-Llama (training is not what kvserve is for), saved as a Hugging Face directory that LLM(...) and
-`--speculative draft:model=DIR` load.
+3, 15.9 keeping the first 9 and last 1, 17.3 keeping the first 10), with its embeddings, final norm and LM head;
+`mlp` also narrows each kept MLP to its most active neurons. Distillation then trains the kept layers and norms
+(the embedding, tied to the head, stays frozen) to match the target's next-token distributions over the
+draft's vocabulary, softened by a temperature, with Hinton's KL loss. The teacher is kvserve itself: the target
+scores each batch's windows through its paged cache (SamplingParams(prompt_distributions=True)). The student is
+a transformers Llama (training is not what kvserve is for), under bf16 autocast where the CPU multiplies bf16
+natively, saved as a Hugging Face directory that LLM(...) and `--speculative draft:model=DIR` load.
 
 The text is Python's documentation, a user's file, or (`answers`) the target's own greedy answers to built-in
 chat prompts: on-policy data, the text the draft will be asked to predict when serving chat. The draft also
@@ -58,13 +59,17 @@ class DistillSettings:
 
 def distill(settings: DistillSettings, token_ids: list[int] | None = None, progress: bool = True) -> dict:
     """Prune, distill and save; returns the report (losses, perplexity and KL before and after, acceptance)."""
-    if min(settings.answers, settings.vocab, settings.mlp) < 0:
-        raise KVServeError(f"--answers, --vocab and --mlp must be >= 0, got {settings.answers}, {settings.vocab} and {settings.mlp}")
+    for name in ("answers", "vocab", "mlp"):
+        if getattr(settings, name) < 0:
+            raise KVServeError(f"--{name} must be >= 0, got {getattr(settings, name)}")
     if settings.answers and settings.text:
         raise KVServeError("distill on --text or on the model's --answers, not both")
     torch.manual_seed(settings.seed)
     teacher = LLM(settings.model, max_num_batched_tokens=max(512, settings.batch * settings.seq_len))
     bf16 = teacher.engine.config.bf16_matmuls  # the student trains in the precision the CPU multiplies fastest
+    width = teacher.engine.checkpoint.config.intermediate_size
+    if settings.mlp >= width:
+        raise KVServeError(f"--mlp must be below the model's MLP width ({width}), got {settings.mlp}")
     ids = token_ids if token_ids is not None else _text_ids(teacher, settings)
     held_out = settings.eval_windows * settings.seq_len
     if len(ids) < held_out + 2 * settings.seq_len:
@@ -133,7 +138,7 @@ def narrow_mlp(student, width: int, windows: list[list[int]]) -> None:
     (activation importance, as Minitron's width pruning): gate and up keep those rows, down those columns."""
     full = student.config.intermediate_size
     if not 0 < width < full:
-        raise KVServeError(f"--mlp must be in 1..{full - 1} (the model's MLP width is {full}), got {width}")
+        raise KVServeError(f"--mlp must be below the model's MLP width ({full}), got {width}")
     layers = student.model.layers
     importance = torch.zeros(len(layers), full)
 
