@@ -150,8 +150,8 @@ def narrow_mlp(student, width: int, windows: list[list[int]]) -> None:
     hooks = [layer.mlp.down_proj.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
     for window in windows:
         student(torch.tensor([window]))
-    for hook in hooks:
-        hook.remove()
+    for handle in hooks:
+        handle.remove()
     for layer, score in zip(layers, importance):
         keep, mlp = score.topk(width).indices.sort().values, layer.mlp
         mlp.gate_proj, mlp.up_proj = _narrowed(mlp.gate_proj, keep, 0), _narrowed(mlp.up_proj, keep, 0)
