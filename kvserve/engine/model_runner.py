@@ -59,12 +59,11 @@ class ModelRunner:
         self.model = model
         if model is None:
             self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device, quantized=bool(self.native))
-            int8 = config.matmul_dtype != "float32"
             if self.native:
-                self.model.use_native_kernels(int8_activations=int8)
+                self.model.use_native_kernels(int8_activations=config.matmul_dtype != "float32")
             if self.native and q8_weights:
                 self.model.use_q8_weights()
-            elif config.bf16_matmuls:
+            if config.bf16_matmuls:  # after Q8_0: its layers' many-row steps dequantize tiles to bf16 too
                 self.model.use_bf16_matmuls()
             self.model.fuse_decode_layers()
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
@@ -160,8 +159,8 @@ class ModelRunner:
             shift = np.array([0 if p is None or p.reposition else s.num_evicted_tokens for s, p in zip(batch.seqs, policies)])
             positions = positions + shift[owner]
         q_starts, q_counts, q_offsets, q_tables = starts, counts, offsets, tables  # a query row per sequence...
-        past_prompt = not any(policies)  # (a policy's votes are counted per sequence, not per query)
-        per_token = [bool(s.draft_token_ids) or (past_prompt and s.num_computed_tokens >= s.num_prompt_tokens) for s in batch.seqs]
+        catch_up = not any(policies)  # (a policy's votes are counted per sequence, not per query)
+        per_token = [bool(s.draft_token_ids) or (catch_up and s.num_computed_tokens >= s.num_prompt_tokens) for s in batch.seqs]
         if any(per_token) and counts.max() > 1:  # ...but the tokens of a guessing sequence, or of a draft catching up
             # on its output past the prompt, attend as decodes, each with its own context (the arithmetic of one-token steps)
             q_starts, q_counts, q_offsets, q_tables = _queries_per_token(np.array(per_token), starts, counts, offsets, tables)

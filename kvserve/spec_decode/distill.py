@@ -179,7 +179,7 @@ def kl_loss(student, teacher_logprobs: torch.Tensor, windows: list[list[int]], t
             vocab: torch.Tensor | None = None) -> torch.Tensor:
     """KL(teacher || student) of the temperature-softened next-token distributions, times T^2 (Hinton). With
     `vocab`, both distributions are over those token ids only, the ones the draft can propose: the head's
-    matmul and softmax shrink with it (8,192 of SmolLM2's 49,152 tokens: training runs about twice as fast)."""
+    matmul and softmax shrink with it (8,192 of SmolLM2's 49,152 tokens: a 10-layer step 1.44 s instead of 1.92)."""
     hidden = student.model(torch.tensor(windows)).last_hidden_state[:, :-1]
     head = student.get_output_embeddings().weight
     if vocab is not None:
