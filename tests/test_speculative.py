@@ -418,6 +418,49 @@ def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
     assert fewer.engine.proposer.runner.model.lm_head.ids.tolist() == listed[:50]  # the 50 most frequent
 
 
+def test_distill_eagle_trains_a_feature_draft_whose_guesses_verify(tmp_path):
+    """A feature draft learns the target's next hidden state; serving, it reads the state that gave each new token
+    (the guess row's where guesses were kept) and greedy output stays the target's."""
+    from tests.conftest import save_tiny_llama
+
+    from kvserve.spec_decode.distill import DistillSettings, distill
+
+    save_tiny_llama(tmp_path / "target", num_hidden_layers=2, initializer_range=0.2)
+    target = LLM(str(tmp_path / "target"), **FP32)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(4)] for _ in range(100)]  # the text: the target's greedy answers
+    plain_out = target.generate(prompts, greedy(28), use_tqdm=False)
+    text = [t for p, o in zip(prompts, plain_out) for t in p + o.outputs[0].token_ids]  # one answer a 32-token window
+    settings = DistillSettings(model=str(tmp_path / "target"), out=str(tmp_path / "draft"), eagle=True, mlp=96, steps=120,
+                               batch=8, seq_len=32, lr=3e-3, eval_windows=4, acceptance_prompts=2, vocab=200)
+    report = distill(settings, token_ids=text, progress=False)
+    assert report["after"]["kl_mean"] < 0.8 * report["before"]["kl_mean"]  # on held-out answers
+    assert sum(report["losses"][-5:]) < sum(report["losses"][:5]) and report["acceptance"]["draft_tokens"] > 0
+    assert json.loads((tmp_path / "draft" / "eagle.json").read_text())["intermediate_size"] == 96
+    spec = LLM(str(tmp_path / "target"), speculative=f"eagle:model={tmp_path / 'draft'},k=3,min_acceptance=0", **FP32)
+    seen, observe = [], spec.engine.proposer.observe
+    spec.engine.proposer.observe = lambda seqs, features: (seen.extend((s.token_ids[-1], f) for s, f in zip(seqs, features)),
+                                                           observe(seqs, features))
+    spec_out = spec.generate(prompts[10:14], greedy(28), use_tqdm=False)  # answers it trained on
+    assert [o.outputs[0].token_ids for o in spec_out] == [o.outputs[0].token_ids for o in plain_out[10:14]]
+    assert sum(o.metrics.num_accepted_tokens for o in spec_out) > 0
+    logits = spec.engine.runner.model.compute_logits(torch.stack([f for _, f in seen]))
+    assert logits.argmax(-1).tolist() == [token for token, _ in seen]  # each state is the one that gave its token
+    assert spec.engine.proposer.head.head.out_features == 200
+
+
+def test_an_eagle_draft_must_match_the_model(tmp_path, tiny_model_dir):
+    from kvserve.spec_decode.eagle import FeatureDraft
+
+    with pytest.raises(KVServeError, match="is not a feature draft"):
+        LLM(str(tiny_model_dir), speculative=f"eagle:model={tmp_path}")
+    FeatureDraft(32, 64, 1e-5).save(tmp_path / "other", None)
+    with pytest.raises(KVServeError, match="reads hidden states of 32 values, the model's have 64"):
+        LLM(str(tiny_model_dir), speculative=f"eagle:model={tmp_path / 'other'}")
+    with pytest.raises(KVServeError, match="needs model=DIR"):
+        LLM(str(tiny_model_dir), speculative="eagle")
+
+
 def test_narrowing_an_mlp_keeps_its_most_active_neurons(tmp_path):
     from tests.conftest import save_tiny_llama
 

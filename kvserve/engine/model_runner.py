@@ -46,6 +46,7 @@ class StepOutput:
     rows: list[list[int]]  # each new token's row in sampled.logprobs
     sampled: SamplerOutput | None
     votes: dict[Sequence, torch.Tensor] = field(default_factory=dict)  # a voting KV policy's: [layers, kv heads, keys]
+    features: torch.Tensor | None = None  # with keep_features: each sequence's hidden state that gave its last new token
 
 
 class ModelRunner:
@@ -73,6 +74,7 @@ class ModelRunner:
         if self.native:
             self.backend.stack_layers(list(self.model.layers))
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
+        self.keep_features = False  # a feature draft reads the final hidden states (spec_decode/eagle.py)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
@@ -84,7 +86,8 @@ class ModelRunner:
             return StepOutput([], [], [], None)
         inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.ctx)
-        logits = self.model.compute_logits(hidden[inputs.logits_index])
+        selected = hidden[inputs.logits_index]
+        logits = self.model.compute_logits(selected)
         self.last_logits = logits
         votes = _collect_votes(inputs, batch.seqs, self.kv_cache.layout.num_layers)
         rows, first = [], 0  # (sequence, logits row, outputs so far), one per sample
@@ -98,7 +101,7 @@ class ModelRunner:
                                  [s.token_ids[: s.num_prompt_tokens] for s, _, _ in rows], [out for _, _, out in rows])
         sampled = sample(logits.cpu()[[i for _, i, _ in rows]], sampling)
         output = StepOutput([], [], [], sampled, votes)
-        at = 0
+        at, last_rows = 0, []
         while at < len(rows):  # each sequence's samples are consecutive: one per guess, then one after them
             seq = rows[at][0]
             guesses = seq.draft_token_ids
@@ -106,7 +109,10 @@ class ModelRunner:
             output.seqs.append(seq)
             output.tokens.append(tokens)
             output.rows.append(list(range(at, at + len(tokens))))
+            last_rows.append(rows[at + len(tokens) - 1][1])
             at += len(guesses) + 1
+        if self.keep_features:
+            output.features = selected[last_rows]
         if inputs.prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[torch.cat([index for _, index, _ in inputs.prompt_rows])]).cpu()
             for (row, index, targets), part in zip(inputs.prompt_rows, prompt_logits.split([len(i) for _, i, _ in inputs.prompt_rows])):

@@ -321,18 +321,22 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
     settings = DistillSettings(model=args.model, out=args.out, layers=args.layers, mlp=args.mlp, steps=args.steps, batch=args.batch,
                                seq_len=args.seq_len, lr=args.lr, temperature=args.temperature, text=args.text, answers=args.answers,
-                               vocab=args.vocab, seed=args.seed)
+                               vocab=args.vocab, seed=args.seed, eagle=args.eagle)
     report = distill(settings)
     if args.json:
         print(json.dumps(report, indent=2))
         return
     b, a, acc = report["before"], report["after"], report["acceptance"]
     width = f", MLP width {args.mlp}" if args.mlp else ""
-    print(f"draft: {args.out} (layers {report['kept_layers']} of {args.model}{width}); loss curve: {Path(args.out) / 'loss.png'}")
-    print(f"perplexity on held-out text: target {report['target_perplexity']:.2f}, draft {b['perplexity']:.2f} pruned "
-          f"-> {a['perplexity']:.2f} distilled; KL to the target {b['kl_mean']:.3f} -> {a['kl_mean']:.3f}")
+    kind = f"a feature draft for {args.model}" if args.eagle else f"layers {report['kept_layers']} of {args.model}"
+    print(f"draft: {args.out} ({kind}{width}); loss curve: {Path(args.out) / 'loss.png'}")
+    ahead = " two tokens ahead" if args.eagle else ""
+    print(f"perplexity{ahead} on held-out text: target {report['target_perplexity']:.2f} (next token), draft {b['perplexity']:.2f} "
+          f"untrained -> {a['perplexity']:.2f} trained; KL to the target {b['kl_mean']:.3f} -> {a['kl_mean']:.3f}")
+    if args.eagle:
+        print(f"the draft's guess is the target's greedy token: {b['agreement']:.1%} -> {a['agreement']:.1%}")
     print(f"acceptance (greedy, k=4): {acc['accepted_tokens']}/{acc['draft_tokens']} = {acc['rate']:.1%}")
-    print(f"use it: kvserve generate --speculative draft:model={args.out} --prompt ...")
+    print(f"use it: kvserve generate --speculative {'eagle' if args.eagle else 'draft'}:model={args.out} --prompt ...")
 
 
 def _add_distill_parser(sub) -> None:
@@ -343,8 +347,11 @@ def _add_distill_parser(sub) -> None:
     di.add_argument("--model", default=d.model)
     di.add_argument("--out", default=d.out, help="directory the draft is saved to (Hugging Face format)")
     di.add_argument("--layers", type=int, default=d.layers, help="decoder layers kept: the first ones and the last LAYERS // 3")
+    di.add_argument("--eagle", action="store_true",
+                    help="train a feature draft (EAGLE-style: one MLP block on the model's hidden states) instead of pruning")
     di.add_argument("--mlp", type=int, default=d.mlp, metavar="WIDTH",
-                    help="narrow each kept MLP to its WIDTH most active intermediate neurons (0: keep its width)")
+                    help="narrow each kept MLP to its WIDTH most active intermediate neurons (0: keep its width); "
+                         "with --eagle, the block's MLP width (0: the model's)")
     di.add_argument("--steps", type=int, default=d.steps)
     di.add_argument("--batch", type=int, default=d.batch, help="windows per step")
     di.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per window")

@@ -116,14 +116,19 @@ class CausalLM(nn.Module):
 
     def use_q8_weights(self) -> None:
         """Every dense linear layer quantized to Q8_0 (a draft model: it reads 8.5 bits per weight instead of 32 or 16)."""
-        for module in self.modules():
-            if isinstance(module, Linear) and module.weight is not None and module.in_features % 32 == 0:
-                module.use_quantized(_q8(module.weight))
+        use_q8_weights(self)
 
     def fuse_decode_layers(self) -> int:
         """Layers that can run steps of a few rows as fused native ops do so (models/llama.py: DecoderLayer.fuse), once
         their weights and kernels are set; returns how many."""
         return sum(layer.fuse() for layer in self.layers if hasattr(layer, "fuse"))
+
+
+def use_q8_weights(model: nn.Module) -> None:
+    """The module's dense linear layers quantized to Q8_0."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not None and module.in_features % 32 == 0:
+            module.use_quantized(_q8(module.weight))
 
 
 def _q8(weight: torch.Tensor) -> QuantizedWeight:

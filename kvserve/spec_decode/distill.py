@@ -34,6 +34,7 @@ from kvserve.errors import KVServeError
 from kvserve.models.loader import transformers_model
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft import DRAFT_VOCAB
+from kvserve.spec_decode.eagle import FeatureDraft
 
 TEACHER = SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_distributions=True)
 
@@ -54,11 +55,13 @@ class DistillSettings:
     vocab: int = 8192  # tokens the draft's LM head covers (the text's most frequent, then the lowest ids); 0: all
     eval_windows: int = 8  # held-out windows (the text's start) for perplexity and KL
     acceptance_prompts: int = 4  # held-out prompts for the draft's acceptance rate
+    eagle: bool = False  # a feature draft (spec_decode/eagle.py) instead of pruned layers; `mlp` is its MLP width
     seed: int = 0
 
 
 def distill(settings: DistillSettings, token_ids: list[int] | None = None, progress: bool = True) -> dict:
-    """Prune, distill and save; returns the report (losses, perplexity and KL before and after, acceptance)."""
+    """Prune and distill (or with `eagle`, train a feature draft) and save; returns the report (losses,
+    perplexity and KL before and after, acceptance)."""
     for name in ("answers", "vocab", "mlp"):
         if getattr(settings, name) < 0:
             raise KVServeError(f"--{name} must be >= 0, got {getattr(settings, name)}")
@@ -66,33 +69,125 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
         raise KVServeError("distill on --text or on the model's --answers, not both")
     torch.manual_seed(settings.seed)
     teacher = LLM(settings.model, max_num_batched_tokens=max(512, settings.batch * settings.seq_len))
-    bf16 = teacher.engine.config.bf16_matmuls  # the student trains in the precision the CPU multiplies fastest
     width = teacher.engine.checkpoint.config.intermediate_size
-    if settings.mlp >= width:
+    if settings.mlp >= width and not settings.eagle:
         raise KVServeError(f"--mlp must be below the model's MLP width ({width}), got {settings.mlp}")
     ids = token_ids if token_ids is not None else _text_ids(teacher, settings)
     held_out = settings.eval_windows * settings.seq_len
     if len(ids) < held_out + 2 * settings.seq_len:
         raise KVServeError(f"the text has {len(ids)} tokens; distillation needs at least {held_out + 2 * settings.seq_len}")
     evaluation = [ids[i:i + settings.seq_len] for i in range(0, held_out, settings.seq_len)]
-    train, rng = ids[held_out:], random.Random(settings.seed)
+    train = ids[held_out:]
+    vocab = draft_vocab(train, teacher.engine.checkpoint.config.vocab_size, settings.vocab)
+    out = Path(settings.out)
+    if settings.eagle:
+        report = _distill_features(settings, teacher, evaluation, train, vocab, progress)
+        proposer = "eagle"
+    else:
+        report = _distill_layers(settings, teacher, evaluation, train, vocab, progress)
+        proposer = "draft"
+    report["acceptance"] = acceptance(settings.model, f"{proposer}:model={out}", evaluation[:settings.acceptance_prompts])
+    plot_losses(report["losses"], out / "loss.png")
+    return {"settings": asdict(settings), **report}
+
+
+def _distill_layers(settings: DistillSettings, teacher: LLM, evaluation: list[list[int]], train: list[int],
+                    vocab: list[int] | None, progress: bool) -> dict:
+    """A pruned copy of the target trained to its next-token distributions, saved as a Hugging Face directory."""
     student = prune(teacher, settings.layers)
     if settings.mlp:
         narrow_mlp(student, settings.mlp, [train[i:i + settings.seq_len] for i in range(0, 16 * settings.seq_len, settings.seq_len)])
-    vocab = draft_vocab(train, teacher.engine.checkpoint.config.vocab_size, settings.vocab)
     head_ids = torch.tensor(vocab) if vocab is not None else None
+    bf16 = teacher.engine.config.bf16_matmuls  # the student trains in the precision the CPU multiplies fastest
     before = evaluate(student, teacher, evaluation)
-    params = [p for p in student.parameters() if p.requires_grad]
+    rng = random.Random(settings.seed)
+
+    def loss() -> torch.Tensor:
+        windows = [train[s:s + settings.seq_len] for s in (rng.randrange(len(train) - settings.seq_len) for _ in range(settings.batch))]
+        target = _teacher_logprobs(teacher, windows)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return kl_loss(student, target, windows, settings.temperature, head_ids)
+
+    losses = train_steps([p for p in student.parameters() if p.requires_grad], loss, settings, progress)
+    after = evaluate(student, teacher, evaluation)
+    save(student, teacher, Path(settings.out), vocab)
+    return {"kept_layers": kept_layers(teacher, settings.layers), "losses": losses,
+            "target_perplexity": before["target_perplexity"], "before": before["student"], "after": after["student"]}
+
+
+def _distill_features(settings: DistillSettings, teacher: LLM, evaluation: list[list[int]], train: list[int],
+                      vocab: list[int] | None, progress: bool) -> dict:
+    """A feature draft (spec_decode/eagle.py) trained on the target's hidden states, computed once for the text's
+    windows by the reference model (transformers); its MLP is `mlp` wide (0: the target's MLP width)."""
+    config, length = teacher.engine.checkpoint.config, settings.seq_len
+    reference = transformers_model(teacher.engine.checkpoint.path).eval()
+    bf16 = teacher.engine.config.bf16_matmuls
+    draft = FeatureDraft(config.hidden_size, settings.mlp or config.intermediate_size, config.rms_norm_eps)
+    windows = torch.tensor([train[i:i + length] for i in range(0, len(train) - length + 1, length)])
+    held_out = torch.tensor(evaluation)
+    features, held_out_features = _hidden_states(reference, windows, bf16), _hidden_states(reference, held_out, bf16)
+    embed, head = reference.get_input_embeddings(), reference.get_output_embeddings().weight.detach()
+    ids = torch.tensor(vocab) if vocab is not None else torch.arange(config.vocab_size)
+    before = evaluate_features(draft, embed, head, ids, held_out, held_out_features)
+    generator = torch.Generator().manual_seed(settings.seed)
+
+    def loss() -> torch.Tensor:
+        pick = torch.randint(len(windows), (settings.batch,), generator=generator)
+        with torch.no_grad():
+            embedded = embed(windows[pick])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return feature_loss(draft, embedded, features[pick], head[ids], generator)
+
+    losses = train_steps(list(draft.parameters()), loss, settings, progress)
+    after = evaluate_features(draft, embed, head, ids, held_out, held_out_features)
+    draft.save(Path(settings.out), vocab)
+    return {"losses": losses, "target_perplexity": before.pop("target_perplexity"), "before": before,
+            "after": {k: v for k, v in after.items() if k != "target_perplexity"}}
+
+
+def feature_loss(draft: FeatureDraft, embedded: torch.Tensor, features: torch.Tensor, head: torch.Tensor,
+                 generator: torch.Generator | None = None, noise: float = 0.05) -> torch.Tensor:
+    """EAGLE's loss on windows [B, T]: from the hidden state at t (with noise, as the draft's own predictions will
+    be) and the embedding of token t + 1, the state at t + 1: smooth L1 to it, plus 0.1 x the cross-entropy of the
+    tokens the head gives it (the target's distribution) under the head applied to the prediction."""
+    current = features[:, :-1] + noise * torch.randn(features[:, :-1].shape, generator=generator)
+    predicted, following = draft(embedded[:, 1:], current), features[:, 1:]
+    target = F.softmax(following @ head.T, dim=-1)
+    cross_entropy = -(target * F.log_softmax((predicted @ head.T).float(), dim=-1)).sum(-1).mean()
+    return F.smooth_l1_loss(predicted.float(), following) + 0.1 * cross_entropy
+
+
+@torch.no_grad()
+def evaluate_features(draft: FeatureDraft, embed, head: torch.Tensor, vocab: torch.Tensor, ids: torch.Tensor,
+                      features: torch.Tensor) -> dict:
+    """On windows [B, T] with the target's hidden states: the draft's perplexity of each token two ahead of a state
+    and its KL from the target's distribution there (full vocabulary), the share of its guesses (over `vocab`)
+    that are the target's greedy token, and the target's perplexity of the next token."""
+    predicted = draft(embed(ids[:, 1:]), features[:, :-1])
+    logp, target = F.log_softmax(predicted @ head.T, dim=-1), F.log_softmax(features @ head.T, dim=-1)
+    kl = (target[:, 1:].exp() * (target[:, 1:] - logp)).sum(-1).mean()
+    guesses = vocab[(predicted @ head[vocab].T).argmax(-1)]
+    return {"perplexity": math.exp(-float(logp[:, :-1].gather(-1, ids[:, 2:, None]).mean())), "kl_mean": float(kl),
+            "agreement": float((guesses == target[:, 1:].argmax(-1)).float().mean()),
+            "target_perplexity": math.exp(-float(target[:, :-1].gather(-1, ids[:, 1:, None]).mean()))}
+
+
+@torch.no_grad()
+def _hidden_states(reference, windows: torch.Tensor, bf16: bool, batch: int = 8) -> torch.Tensor:
+    """[windows, tokens, hidden]: the reference model's last hidden states (after its final norm), as fp32."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return torch.cat([reference.model(part).last_hidden_state.float() for part in windows.split(batch)])
+
+
+def train_steps(params: list[torch.Tensor], loss_fn, settings: DistillSettings, progress: bool) -> list[float]:
+    """AdamW over `settings.steps` steps of loss_fn() (warm-up, then a cosine schedule), gradients clipped at 1;
+    the losses, with a progress bar."""
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / settings.steps)))
     losses = []
     bar = tqdm(range(settings.steps), desc="distill", unit="step", disable=not progress)
     for _ in bar:
-        starts = [rng.randrange(len(train) - settings.seq_len) for _ in range(settings.batch)]
-        windows = [train[s:s + settings.seq_len] for s in starts]
-        target = _teacher_logprobs(teacher, windows)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = kl_loss(student, target, windows, settings.temperature, head_ids)
+        loss = loss_fn()
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -100,14 +195,7 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
         schedule.step()
         losses.append(loss.item())
         bar.set_postfix_str(f"loss {losses[-1]:.3f}")
-    after = evaluate(student, teacher, evaluation)
-    out = Path(settings.out)
-    save(student, teacher, out, vocab)
-    report = {"settings": asdict(settings), "kept_layers": kept_layers(teacher, settings.layers), "losses": losses,
-              "target_perplexity": before["target_perplexity"], "before": before["student"], "after": after["student"],
-              "acceptance": acceptance(settings.model, out, evaluation[:settings.acceptance_prompts])}
-    plot_losses(losses, out / "loss.png")
-    return report
+    return losses
 
 
 def prune(teacher: LLM, layers: int):
@@ -208,9 +296,9 @@ def evaluate(student, teacher: LLM, windows: list[list[int]]) -> dict:
             "target_perplexity": math.exp(target_nll / count)}
 
 
-def acceptance(model: str, draft: Path, windows: list[list[int]]) -> dict:
+def acceptance(model: str, speculative: str, windows: list[list[int]]) -> dict:
     """Greedy speculative decoding with the saved draft on held-out prompts: the share of guesses kept."""
-    llm = LLM(model, speculative=f"draft:model={draft},k=4,min_acceptance=0")
+    llm = LLM(model, speculative=f"{speculative},k=4,min_acceptance=0")
     outs = llm.generate([w[: len(w) // 2] for w in windows], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
                         use_tqdm=False)
     proposed = sum(o.metrics.num_draft_tokens for o in outs)

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from kvserve.errors import KVServeError
 from kvserve.spec_decode.draft import DraftProposer, SelfProposer
+from kvserve.spec_decode.eagle import EagleProposer
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.proposer import Proposer
 
-PROPOSERS = {"ngram": NgramProposer, "draft": DraftProposer, "self": SelfProposer}
+PROPOSERS = {"ngram": NgramProposer, "draft": DraftProposer, "self": SelfProposer, "eagle": EagleProposer}
 
 
 def parse_speculative(text: str) -> Proposer:
