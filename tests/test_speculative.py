@@ -519,6 +519,21 @@ def test_distill_answers_are_the_models_chat_answers(smollm2):
     assert 2 * len(chat) < len(ids) <= 2 * (len(chat) + 40 + 8)
 
 
+def test_distill_answers_past_the_prompts_are_sampled_rounds(smollm2, monkeypatch):
+    from kvserve.spec_decode import distill
+
+    monkeypatch.setattr(distill, "TOPICS", ["the moon"])
+    monkeypatch.setattr(distill, "TASKS", ["Write a short poem about {}."])
+    chat = smollm2.engine.tokenize(smollm2.apply_chat_template([{"role": "user", "content": "Write a short poem about the moon."}]),
+                                   add_special_tokens=False)
+    ids = distill.answers(smollm2, 3, seed=0, max_tokens=12)
+    starts = [i for i in range(len(ids)) if ids[i:i + len(chat)] == chat]
+    rounds = [ids[a + len(chat):b] for a, b in zip(starts, starts[1:] + [len(ids)])]
+    assert len(rounds) == 3  # one prompt, answered three times
+    assert rounds[0] == smollm2.generate([chat], greedy(12), use_tqdm=False)[0].outputs[0].token_ids[:len(rounds[0])]
+    assert len({tuple(r) for r in rounds}) == 3  # the sampled rounds differ from the greedy one and from each other
+
+
 def test_no_guesses_in_a_step_of_more_than_max_batch_decodes(tiny_model_dir):
     """ngram:max_batch=1: two requests decoding together get no guesses; one alone does (its text repeats)."""
     llm = LLM(str(tiny_model_dir), speculative="ngram:max_batch=1", **FP32)

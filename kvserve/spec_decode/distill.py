@@ -364,14 +364,19 @@ TASKS = ["Write a short story about {}.", "Explain {} to a child.", "Tell me thr
 
 
 def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256) -> list[int]:
-    """Chat prompts on built-in topics with the target's greedy answers, as token ids: the text a draft is asked to
-    predict when it serves chat (on-policy distillation, as DistillSpec's)."""
+    """Chat prompts on built-in topics with the target's answers, as token ids: the text a draft is asked to predict
+    when it serves chat (on-policy distillation, as DistillSpec's). The first answer to each prompt is greedy; past
+    the prompts' number, each further round samples them (temperature 0.8, seeded), so no answer repeats."""
     prompts = [task.format(topic) for topic in TOPICS for task in TASKS]
     random.Random(seed).shuffle(prompts)
     chats = [teacher.engine.tokenize(teacher.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-             for p in itertools.islice(itertools.cycle(prompts), count)]
-    outs = teacher.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    return [token for chat, out in zip(chats, outs) for token in chat + out.outputs[0].token_ids]
+             for p in prompts[:count]]
+    ids = []
+    for round_, first in enumerate(range(0, count, len(chats))):
+        params = SamplingParams(temperature=0.8 if round_ else 0, max_tokens=max_tokens, seed=seed + round_)
+        outs = teacher.generate(chats[:count - first], params, use_tqdm=False)
+        ids += [token for chat, out in zip(chats, outs) for token in chat + out.outputs[0].token_ids]
+    return ids
 
 
 def _teacher_logprobs(teacher: LLM, windows: list[list[int]]) -> torch.Tensor:
