@@ -18,7 +18,7 @@ from kvserve.kernels import native_ops
 from kvserve.kv.cache import KVCache
 from kvserve.kv.spec import KVLayout
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample, score_prompt
-from kvserve.models.base import CausalLM
+from kvserve.models.base import CausalLM, use_q8_weights
 from kvserve.layers.quantized import GGUFTensor, QuantizedWeight, load_tensor
 from kvserve.models.loader import Checkpoint, load_weights
 from kvserve.models.registry import model_class
@@ -63,7 +63,7 @@ class ModelRunner:
             if self.native:
                 self.model.use_native_kernels(int8_activations=config.matmul_dtype != "float32")
             if self.native and q8_weights:
-                self.model.use_q8_weights()
+                use_q8_weights(self.model)
             if config.bf16_matmuls:  # after Q8_0: its layers' many-row steps dequantize tiles to bf16 too
                 self.model.use_bf16_matmuls()
             self.model.fuse_decode_layers()
@@ -101,7 +101,7 @@ class ModelRunner:
                                  [s.token_ids[: s.num_prompt_tokens] for s, _, _ in rows], [out for _, _, out in rows])
         sampled = sample(logits.cpu()[[i for _, i, _ in rows]], sampling)
         output = StepOutput([], [], [], sampled, votes)
-        at, last_rows = 0, []
+        at = 0
         while at < len(rows):  # each sequence's samples are consecutive: one per guess, then one after them
             seq = rows[at][0]
             guesses = seq.draft_token_ids
@@ -109,10 +109,9 @@ class ModelRunner:
             output.seqs.append(seq)
             output.tokens.append(tokens)
             output.rows.append(list(range(at, at + len(tokens))))
-            last_rows.append(rows[at + len(tokens) - 1][1])
             at += len(guesses) + 1
-        if self.keep_features:
-            output.features = selected[last_rows]
+        if self.keep_features:  # the logits row of each sequence's last new token
+            output.features = selected[[rows[sampled_rows[-1]][1] for sampled_rows in output.rows]]
         if inputs.prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[torch.cat([index for _, index, _ in inputs.prompt_rows])]).cpu()
             for (row, index, targets), part in zip(inputs.prompt_rows, prompt_logits.split([len(i) for _, i, _ in inputs.prompt_rows])):

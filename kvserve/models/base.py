@@ -114,10 +114,6 @@ class CausalLM(nn.Module):
             raise KVServeError(f"a draft vocabulary must be 1..{self.config.vocab_size} token ids below {self.config.vocab_size}")
         self.lm_head = VocabSubset(self.lm_head, ids)
 
-    def use_q8_weights(self) -> None:
-        """Every dense linear layer quantized to Q8_0 (a draft model: it reads 8.5 bits per weight instead of 32 or 16)."""
-        use_q8_weights(self)
-
     def fuse_decode_layers(self) -> int:
         """Layers that can run steps of a few rows as fused native ops do so (models/llama.py: DecoderLayer.fuse), once
         their weights and kernels are set; returns how many."""
@@ -125,7 +121,7 @@ class CausalLM(nn.Module):
 
 
 def use_q8_weights(model: nn.Module) -> None:
-    """The module's dense linear layers quantized to Q8_0."""
+    """The module's dense linear layers quantized to Q8_0 (a draft: it reads 8.5 bits per weight instead of 32 or 16)."""
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is not None and module.in_features % 32 == 0:
             module.use_quantized(_q8(module.weight))

@@ -21,7 +21,6 @@ hidden state from its current one and the token sampled from it, on the target's
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import random
 from collections import Counter
@@ -36,7 +35,7 @@ from kvserve.entrypoints.llm import LLM
 from kvserve.errors import KVServeError
 from kvserve.models.loader import transformers_model
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.draft import DRAFT_VOCAB
+from kvserve.spec_decode.draft import write_draft_vocab
 from kvserve.spec_decode.eagle import FeatureDraft
 
 TEACHER = SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_distributions=True)
@@ -131,6 +130,7 @@ def _distill_features(settings: DistillSettings, teacher: LLM, evaluation: list[
     features, held_out_features = _hidden_states(reference, windows, bf16), _hidden_states(reference, held_out, bf16)
     embed, head = reference.get_input_embeddings(), reference.get_output_embeddings().weight.detach()
     ids = torch.tensor(vocab) if vocab is not None else torch.arange(config.vocab_size)
+    vocab_head = head[ids]  # the rows the training loss reads, copied once
     before = evaluate_features(draft, embed, head, ids, held_out, held_out_features)
     generator = torch.Generator().manual_seed(settings.seed)
 
@@ -139,13 +139,13 @@ def _distill_features(settings: DistillSettings, teacher: LLM, evaluation: list[
         with torch.no_grad():
             embedded = embed(windows[pick])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            return feature_loss(draft, embedded, features[pick], head[ids], generator)
+            return feature_loss(draft, embedded, features[pick], vocab_head, generator)
 
     losses = train_steps(list(draft.parameters()), loss, settings, progress)
     after = evaluate_features(draft, embed, head, ids, held_out, held_out_features)
     draft.save(Path(settings.out), vocab)
-    return {"losses": losses, "target_perplexity": before.pop("target_perplexity"), "before": before,
-            "after": {k: v for k, v in after.items() if k != "target_perplexity"}}
+    after.pop("target_perplexity")
+    return {"losses": losses, "target_perplexity": before.pop("target_perplexity"), "before": before, "after": after}
 
 
 def feature_loss(draft: FeatureDraft, embedded: torch.Tensor, features: torch.Tensor, head: torch.Tensor,
@@ -322,8 +322,7 @@ def draft_vocab(ids: list[int], vocab_size: int, size: int) -> list[int] | None:
 def save(student, teacher: LLM, out: Path, vocab: list[int] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     student.save_pretrained(out)
-    if vocab is not None:
-        (out / DRAFT_VOCAB).write_text(json.dumps({"token_ids": vocab}))
+    write_draft_vocab(out, vocab)
     tokenizer = teacher.engine.checkpoint.tokenizer
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

@@ -29,6 +29,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=1)
 DRAFT_VOCAB = "draft_vocab.json"  # {"token_ids": [...]}: the tokens a draft proposes, written by `kvserve distill`
 
 
+def read_draft_vocab(directory: Path) -> list[int] | None:
+    """The tokens a draft's directory lists (most frequent first); None: it lists none, so all."""
+    listed = directory / DRAFT_VOCAB
+    return json.loads(listed.read_text())["token_ids"] if listed.is_file() else None
+
+
+def write_draft_vocab(directory: Path, vocab: list[int] | None) -> None:
+    if vocab is not None:
+        (directory / DRAFT_VOCAB).write_text(json.dumps({"token_ids": vocab}))
+
+
 class ModelProposer(Proposer):
     shared_gate = True
 
@@ -119,11 +130,8 @@ class DraftProposer(ModelProposer):
 
     def vocab_ids(self, checkpoint: Checkpoint) -> list[int] | None:
         """The first `vocab` (0: all) of the tokens the draft's directory lists (DRAFT_VOCAB, most frequent first)."""
-        listed = Path(checkpoint.path) / DRAFT_VOCAB
-        if not listed.is_file():
-            return None
-        ids = json.loads(listed.read_text())["token_ids"]
-        return ids[:self.vocab or len(ids)]
+        ids = read_draft_vocab(Path(checkpoint.path))
+        return None if ids is None else ids[:self.vocab or len(ids)]
 
 
 class SelfProposer(ModelProposer):

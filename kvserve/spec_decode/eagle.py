@@ -24,7 +24,7 @@ from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear, VocabSubset
 from kvserve.layers.norm import RMSNorm
 from kvserve.models.base import use_q8_weights
-from kvserve.spec_decode.draft import DRAFT_VOCAB
+from kvserve.spec_decode.draft import read_draft_vocab, write_draft_vocab
 from kvserve.spec_decode.proposer import MAX_BATCH, Proposer, check_ints
 
 CONFIG, WEIGHTS = "eagle.json", "eagle.safetensors"
@@ -66,8 +66,7 @@ class FeatureDraft(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         save_file({name: t.detach().contiguous() for name, t in self.state_dict().items()}, str(out / WEIGHTS))
         (out / CONFIG).write_text(json.dumps(self.config))
-        if vocab is not None:
-            (out / DRAFT_VOCAB).write_text(json.dumps({"token_ids": vocab}))
+        write_draft_vocab(out, vocab)
 
     @classmethod
     def load(cls, path: Path) -> tuple[FeatureDraft, list[int] | None]:
@@ -76,8 +75,7 @@ class FeatureDraft(nn.Module):
             raise KVServeError(f"{path} is not a feature draft (it needs {CONFIG} and {WEIGHTS}; make one with kvserve distill --eagle)")
         draft = cls(**json.loads((path / CONFIG).read_text()))
         draft.load_state_dict(load_file(str(path / WEIGHTS)))
-        listed = path / DRAFT_VOCAB
-        return draft.eval(), json.loads(listed.read_text())["token_ids"] if listed.is_file() else None
+        return draft.eval(), read_draft_vocab(path)
 
 
 class EagleProposer(Proposer):
