@@ -92,3 +92,22 @@ def test_int8_activations_track_fp32_on_smollm2(smollm2, chunk):
     print(f"int8 activations vs fp32 ({chunk}-token steps): mean KL {kl.mean():.2e}, max KL {kl.max():.2e}, greedy agreement {agree:.3f}")
     assert kl.mean() < 1e-2 and kl.max() < 0.1
     assert agree >= 0.95
+
+
+def test_rms_norm_under_bf16_autocast_normalizes_in_the_inputs_dtype():
+    """Training a feature draft under bf16 autocast hands the norm bf16 rows: no dtype-mismatch fallback (torch
+    warns), and the result is the fp32 norm's to bf16 rounding."""
+    import warnings
+
+    from kvserve.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    norm, linear = RMSNorm(64, 1e-5), torch.nn.Linear(32, 64)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(8, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = norm(linear(x))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), norm(linear(x)), atol=0.05, rtol=0.02)

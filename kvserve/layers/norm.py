@@ -20,4 +20,5 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             return native_ops().rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)  # bf16 autocast (training a draft)
+        return F.rms_norm(x, weight.shape, weight, self.eps)

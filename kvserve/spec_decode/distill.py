@@ -53,7 +53,7 @@ class DistillSettings:
     lr: float = 5e-4
     temperature: float = 2.0
     text: str | None = None  # a file; None: Python's own documentation (unless `answers`)
-    answers: int = 0  # > 0: the text is the target's own greedy answers to this many built-in chat prompts
+    answers: int = 0  # > 0: the text is the target's own answers to this many built-in chat prompts (greedy, then sampled rounds)
     vocab: int = 8192  # tokens the draft's LM head covers (the text's most frequent, then the lowest ids); 0: all
     eval_windows: int = 8  # held-out windows (the text's start) for perplexity and KL
     acceptance_prompts: int = 4  # held-out prompts for the draft's acceptance rate
@@ -151,13 +151,13 @@ def _distill_features(settings: DistillSettings, teacher: LLM, evaluation: list[
 def feature_loss(draft: FeatureDraft, embedded: torch.Tensor, features: torch.Tensor, head: torch.Tensor,
                  generator: torch.Generator | None = None, noise: float = 0.05) -> torch.Tensor:
     """EAGLE's loss on windows [B, T]: from the hidden state at t (with noise, as the draft's own predictions will
-    be) and the embedding of token t + 1, the state at t + 1: smooth L1 to it, plus 0.1 x the cross-entropy of the
+    be) and the embedding of token t + 1, the state at t + 1: smooth L1 to it, plus 0.3 x the cross-entropy of the
     tokens the head gives it (the target's distribution) under the head applied to the prediction."""
     current = features[:, :-1] + noise * torch.randn(features[:, :-1].shape, generator=generator)
     predicted, following = draft(embedded[:, 1:], current), features[:, 1:]
     target = F.softmax(following @ head.T, dim=-1)
     cross_entropy = -(target * F.log_softmax((predicted @ head.T).float(), dim=-1)).sum(-1).mean()
-    return F.smooth_l1_loss(predicted.float(), following) + 0.1 * cross_entropy
+    return F.smooth_l1_loss(predicted.float(), following) + 0.3 * cross_entropy
 
 
 @torch.no_grad()
@@ -360,9 +360,21 @@ TOPICS = ["the moon", "volcanoes", "honey bees", "the Roman Empire", "electric c
           "the water cycle", "a pirate ship", "ancient Egypt", "black holes", "a small bakery", "climate change",
           "the first airplane", "a talking tree", "algae", "the Olympic Games", "a snowstorm", "the printing press",
           "a detective in Paris", "whales", "the desert", "a space station", "the Renaissance", "a garden in spring",
-          "mountains", "the brain", "a village festival"]
+          "mountains", "the brain", "a village festival", "photosynthesis", "the Moon landing", "a lonely giant", "tea",
+          "Antarctica", "the immune system", "a jazz musician", "rivers", "the Vikings", "a city at night", "octopuses",
+          "the Industrial Revolution", "a magic shop", "bread", "thunderstorms", "the Amazon rainforest", "a clockmaker",
+          "the periodic table", "elephants", "a treehouse", "the Silk Road", "robots in factories", "autumn", "a shipwreck",
+          "the human skeleton", "volunteering", "a message in a bottle", "the telescope", "coral reefs", "a marathon",
+          "Shakespeare", "a forgotten key", "sleep", "the first computers", "a desert island", "wolves", "money",
+          "an old map", "the Arctic fox", "a train journey", "origami", "the Eiffel Tower", "a young inventor",
+          "glaciers", "the alphabet", "a beekeeper", "the speed of light", "a rainy afternoon", "mushrooms", "democracy",
+          "a broken clock", "the Great Barrier Reef", "kindness", "a circus", "comets", "the ancient Greeks", "a farm",
+          "electricity", "a grandmother's recipe", "owls", "the Sahara", "a school trip", "bridges", "the violin",
+          "a mysterious letter", "penguins", "languages", "the Aztecs", "a wind farm", "the postal service"]
 TASKS = ["Write a short story about {}.", "Explain {} to a child.", "Tell me three interesting facts about {}.",
-         "Write a short poem about {}.", "What should everyone know about {}?", "Describe {} in a few paragraphs."]
+         "Write a short poem about {}.", "What should everyone know about {}?", "Describe {} in a few paragraphs.",
+         "Write a letter to a friend about {}.", "What are the pros and cons of {}?", "Write a dialogue about {}.",
+         "Give me a short history of {}."]
 
 
 def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256) -> list[int]:

@@ -81,7 +81,7 @@ class FeatureDraft(nn.Module):
 class EagleProposer(Proposer):
     shared_gate = True
 
-    def __init__(self, model: str = "", k: int = 1, min_acceptance: int = 25, window: int = 16, max_batch: int = MAX_BATCH):
+    def __init__(self, model: str = "", k: int = 1, min_acceptance: int = 20, window: int = 32, max_batch: int = MAX_BATCH):
         super().__init__(k, min_acceptance, window, max_batch)
         if not model or not isinstance(model, str):
             raise KVServeError("the eagle proposer needs model=DIR (made by kvserve distill --eagle)")
