@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvserve import hugepages
 from kvserve.attention import ForwardContext, QueryGroup
 from kvserve.attention.cpu_native import NativeCPUBackend
 from kvserve.attention.sdpa import SDPABackend
@@ -19,7 +20,7 @@ from kvserve.kv.cache import KVCache
 from kvserve.kv.spec import KVLayout
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample, score_prompt
 from kvserve.models.base import CausalLM, use_q8_weights
-from kvserve.layers.quantized import GGUFTensor, QuantizedWeight, load_tensor
+from kvserve.layers.quantized import GGUFTensor, QuantizedWeight, gather_on_huge_pages, load_tensor
 from kvserve.models.loader import Checkpoint, load_weights
 from kvserve.models.registry import model_class
 from kvserve.spec_decode import verify
@@ -64,10 +65,13 @@ class ModelRunner:
                 self.model.use_native_kernels(int8_activations=config.matmul_dtype != "float32")
             if self.native and q8_weights:
                 use_q8_weights(self.model)
+            if self.native:
+                gather_on_huge_pages(self.model.quantized_weights())
             if config.bf16_matmuls:  # after Q8_0: its layers' many-row steps dequantize tiles to bf16 too
                 self.model.use_bf16_matmuls()
             self.model.fuse_decode_layers()
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
+        hugepages.return_freed_memory()
         self.windows = [g.spec.window for g in layout.groups]  # per KV group: its sliding window, or None
         self.sdpa = SDPABackend(self.kv_cache)
         self.backend = NativeCPUBackend(self.kv_cache) if self.native else self.sdpa

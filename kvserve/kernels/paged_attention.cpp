@@ -134,10 +134,14 @@ void weighted_values(const float* p, const T* v, const int64_t* rows, int64_t L,
 
 // s[i] = exp(s[i] - max) over n scores, in place; returns (max, sum of the exponentials).
 std::pair<float, float> exp_scores(float* s, int64_t n) {
-    const float m = *std::max_element(s, s + n);
-    __m256 total = _mm256_setzero_ps();
+    __m256 lanes = _mm256_set1_ps(-INFINITY);  // max is exact in any order; std::max_element is one compare a cycle or less
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
+    for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + i));
+    float m = -INFINITY;
+    for (int j = 0; j < 8; ++j) m = std::max(m, lanes[j]);
+    for (; i < n; ++i) m = std::max(m, s[i]);
+    __m256 total = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
         const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(m)));
         _mm256_storeu_ps(s + i, e);
         total = _mm256_add_ps(total, e);
@@ -169,6 +173,14 @@ struct Store {
     const uint8_t* data;
     const c10::Half* meta = nullptr;
     int64_t bs, kvh, dim;
+
+    // Asks for block b's rows ahead of their use, into L1 or only L2: float stores, whose blocks are runs of bytes.
+    void prefetch(int64_t b, bool l1) const {
+        if (format > BF16) return;
+        const int64_t bytes = bs * kvh * dim * (format == F32 ? 4 : 2);
+        for (const char* p = reinterpret_cast<const char*>(data) + b * bytes, *end = p + bytes; p < end; p += 64)
+            l1 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
+    }
 
     // Row (block b, offset o, head g) as D floats in out.
     void dequant_row(int64_t b, int64_t o, int64_t g, const float* channel_scale, const float* channel_min, float* out) const {
@@ -433,6 +445,10 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
             }
             f(static_cast<const float*>(buffer.data()));
         };
+        auto prefetch_block = [&](const Store& m, const Store& r, int64_t id, bool l1) {
+            if (id >= num_main) r.prefetch(id - num_main, l1);
+            else m.prefetch(id, l1);
+        };
         for (int64_t item = begin; item < end; ++item) {
             const int64_t b = std::upper_bound(tasks, tasks + B + 1, item) - tasks - 1;
             const int64_t t0 = first_key(b) + (item - tasks[b]) * chunks[b], t1 = std::min(lp[b], t0 + chunks[b]), L = t1 - t0;
@@ -440,6 +456,9 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
             for (int64_t t = t0, n; t < t1; t += n) {  // a window starts anywhere in a block: o rows of it are skipped
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
+                // the blocks of a table lie anywhere: ask for the next K block, and this V block for the pass below
+                if (t + n < t1) prefetch_block(ks, rks, tp[b * W + (t + n) / bs], true);
+                prefetch_block(vs, rvs, tp[b * W + t / bs], false);
                 for (int64_t g = 0; g < KVH; ++g)
                     with_block_rows(ks, rks, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
                         float* s = scores.data() + g * G * stride + t - t0;

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.errors import KVServeError
+from kvserve import hugepages
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +55,8 @@ class KVFormat:
         return x.view(n, bs, *x.shape[1:])
 
     def allocate(self, num_blocks: int, block_size: int, heads: int, dim: int, device) -> dict[str, torch.Tensor]:
-        """Zeroed parts for `num_blocks` blocks of `block_size` tokens: each [num_blocks, *part shape]."""
-        return {name: torch.zeros((num_blocks, *part.shape), dtype=part.dtype, device=device)
+        """Zeroed parts for `num_blocks` blocks of `block_size` tokens: each [num_blocks, *part shape], on huge pages."""
+        return {name: hugepages.zeros((num_blocks, *part.shape), part.dtype, device)
                 for name, part in self.parts(block_size, heads, dim).items()}
 
     def block_bytes(self, block_size: int, heads: int, dim: int) -> int:
