@@ -23,6 +23,7 @@ from kvserve.errors import KVServeError
 from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear, VocabSubset
 from kvserve.layers.norm import RMSNorm
+from kvserve.layers.quantized import gather_on_huge_pages
 from kvserve.models.base import use_q8_weights
 from kvserve.spec_decode.draft import read_draft_vocab, write_draft_vocab
 from kvserve.spec_decode.proposer import MAX_BATCH, Proposer, check_ints
@@ -95,12 +96,13 @@ class EagleProposer(Proposer):
                                f"have {target.config.hidden_size}: it was made for another model")
         if vocab is not None and max(vocab) >= target.config.vocab_size:
             raise KVServeError(f"the feature draft lists token ids past the model's vocabulary ({target.config.vocab_size})")
-        if engine.runner.native:
-            draft.use_native_kernels(int8_activations=engine.config.matmul_dtype != "float32")
-        self.draft = draft.to(engine.runner.device)
-        self.embed = target.embed
         ids = torch.tensor(vocab if vocab is not None else range(target.config.vocab_size), dtype=torch.long)
         self.head = VocabSubset(target.lm_head, ids)
+        if engine.runner.native:
+            draft.use_native_kernels(int8_activations=engine.config.matmul_dtype != "float32")
+            gather_on_huge_pages([m.qweight for m in (draft.fc, draft.gate_up_proj, draft.down_proj, self.head.head) if m.qweight is not None])
+        self.draft = draft.to(engine.runner.device)
+        self.embed = target.embed
         engine.runner.keep_features = True
 
     def observe(self, seqs: list[Sequence], features: torch.Tensor) -> None:
