@@ -32,6 +32,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 def return_freed_memory() -> None:
     """Hand the heap memory freed so far back to the OS (glibc keeps it; loading frees about a model's worth:
     the file's blocks once packed, parts once fused or gathered). Elsewhere, nothing."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError, TypeError):  # not glibc
+        pass

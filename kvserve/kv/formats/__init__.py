@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.errors import KVServeError
 from kvserve import hugepages
+from kvserve.errors import KVServeError
 
 
 @dataclass(frozen=True, slots=True)
