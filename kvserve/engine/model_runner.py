@@ -63,9 +63,8 @@ class ModelRunner:
             self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device, quantized=bool(self.native))
             if self.native:
                 self.model.use_native_kernels(int8_activations=config.matmul_dtype != "float32")
-            if self.native and q8_weights:
-                use_q8_weights(self.model)
-            if self.native:
+                if q8_weights:
+                    use_q8_weights(self.model)
                 gather_on_huge_pages(self.model.quantized_weights())
             if config.bf16_matmuls:  # after Q8_0: its layers' many-row steps dequantize tiles to bf16 too
                 self.model.use_bf16_matmuls()
