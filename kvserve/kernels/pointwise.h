@@ -10,10 +10,16 @@
 
 namespace kvp {
 
-// out = x / rms(x) * w over n values.
+// out = x / rms(x) * w over n values. The sum of squares runs in four 8-wide chains: one scalar chain of n
+// dependent adds took ~1 us a norm, two norms a layer, on a decode step's critical path.
 inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * j), _mm256_loadu_ps(x + i + 8 * j), acc[j]);
+    for (; i + 8 <= n; i += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc[0]);
+    float sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (; i < n; ++i) sum += x[i] * x[i];
     const float inv = 1.0f / std::sqrt(sum / float(n) + eps);
     for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
 }
