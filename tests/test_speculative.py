@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve import LLM, KVServeError, SamplingParams
+from kvserve.kernels import native_ops
 from kvserve.layers.sampler import SamplingBatch, sample
 from kvserve.spec_decode import verify
 from kvserve.spec_decode.proposers import parse_speculative
@@ -447,6 +448,35 @@ def test_distill_eagle_trains_a_feature_draft_whose_guesses_verify(tmp_path):
     logits = spec.engine.runner.model.compute_logits(torch.stack([f for _, f in seen]))
     assert logits.argmax(-1).tolist() == [token for token, _ in seen]  # each state is the one that gave its token
     assert spec.engine.proposer.head.head.out_features == 200
+
+
+@pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
+def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smollm2):
+    """On a GGUF target (embedding and head packed) a feature draft's steps run as one native op: its guesses are
+    the module path's, token for token, and greedy output stays the target's."""
+    from kvserve.spec_decode.eagle import FeatureDraft
+
+    torch.manual_seed(0)
+    draft, listed = FeatureDraft(576, 128, 1e-5), list(range(3, 49152, 16))
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    draft.save(tmp_path, listed)
+    llm = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=3,min_acceptance=0", **FP32)
+    proposer = llm.engine.proposer
+    fused, tokens, features = proposer.fused, torch.randint(0, 49152, (4,)), torch.randn(4, 576)
+    assert fused is not None
+    guesses = proposer.guess(tokens, features, 5)
+    proposer.fused = None
+    assert torch.equal(proposer.guess(tokens, features, 5), guesses)
+    assert guesses.shape == (4, 5) and set(guesses.flatten().tolist()) <= set(listed) and len(set(guesses.flatten().tolist())) > 2
+    proposer.fused = fused
+    prompts, params = ["Once upon a time", smollm2.apply_chat_template(COPY)], greedy(16)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
+    assert sum(o.metrics.num_draft_tokens for o in spec) > 0
+    with pytest.raises(RuntimeError, match="past the embedding"):
+        fused.propose(torch.tensor([49152]), features[:1], 1)
 
 
 def test_an_eagle_draft_must_match_the_model(tmp_path, tiny_model_dir):

@@ -3,12 +3,14 @@
 // KV cache's backend can run attention natively (decodes over a float cache: it says so, and hands over its
 // stores), the whole layer is one call; otherwise two calls around the backend's attention, so any KV layout
 // works. Each call replaces a dozen Python-dispatched ops with the same arithmetic (the same kernels, adds and
-// norms, in the same order), so a fused step gives the module path's numbers.
+// norms, in the same order), so a fused step gives the module path's numbers. A feature draft's block, all of its
+// guesses, is one call too (FeatureDraft, at the end).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "paged_attention.h"
@@ -250,6 +252,70 @@ struct DecodeStack : torch::CustomClassHolder {
     }
 };
 
+// A feature draft (spec_decode/eagle.py) making k guesses in one call. Per step and row: the embedding of the
+// newest token beside the hidden state, fc; x + down(silu(gate(n)) * up(n)) with n = rms_norm(x); the output norm
+// (the next step's hidden state); the head over the draft's vocabulary, and the first of its largest logits. The
+// same kernels and order as the module path, so the guesses are its guesses.
+struct FeatureDraft : torch::CustomClassHolder {
+    Linear fc, gate_up, down, head;
+    at::Tensor norm, out_norm, vocab, embed;  // vocab: the token id of each head row; embed: the packed embedding rows
+    double eps, out_eps;
+    int64_t embed_type;
+    bool int8;
+
+    FeatureDraft(std::vector<at::Tensor> fc, std::vector<int64_t> fc_types, at::Tensor norm, double eps, std::vector<at::Tensor> gate_up,
+                 std::vector<int64_t> gate_up_types, std::vector<at::Tensor> down, std::vector<int64_t> down_types, at::Tensor out_norm,
+                 double out_eps, std::vector<at::Tensor> head, std::vector<int64_t> head_types, at::Tensor vocab, at::Tensor embed,
+                 int64_t embed_type, bool int8_activations)
+        : fc(fc, fc_types, c10::nullopt), gate_up(gate_up, gate_up_types, c10::nullopt), down(down, down_types, c10::nullopt),
+          head(head, head_types, c10::nullopt), norm(norm.contiguous()), out_norm(out_norm.contiguous()), vocab(vocab.contiguous()),
+          embed(embed.contiguous()), eps(eps), out_eps(out_eps), embed_type(embed_type), int8(int8_activations) {
+        const int64_t H = this->fc.out;
+        this->fc.check(2 * H), this->gate_up.check(H), this->down.check(this->gate_up.out / 2), this->head.check(H);
+        TORCH_CHECK(this->norm.numel() == H && this->out_norm.numel() == H && this->down.out == H && this->gate_up.out % 2 == 0,
+                    "the draft's block is not ", H, " wide");
+        TORCH_CHECK(this->vocab.scalar_type() == at::kLong && this->vocab.numel() == this->head.out, "one token id per head row");
+        TORCH_CHECK(this->embed.scalar_type() == at::kByte && this->embed.dim() == 2 &&
+                    this->embed.size(1) == kvq::checked_layout(embed_type, H).row_bytes, "the embedding is not packed rows of ", H);
+    }
+
+    // [B, k] guesses from each row's newest token [B] and the hidden state that gave it [B, H].
+    at::Tensor propose(const at::Tensor& tokens, const at::Tensor& features, int64_t k) {
+        check_rows(features, "features");
+        const int64_t B = features.size(0), H = fc.out, I = gate_up.out / 2, V = head.out;
+        TORCH_CHECK(features.size(1) == H && tokens.scalar_type() == at::kLong && tokens.numel() == B && k >= 1,
+                    "propose takes [B] token ids, [B, ", H, "] hidden states and k >= 1");
+        const at::Tensor first = tokens.contiguous();
+        at::Tensor out = at::empty({B, k}, first.options());
+        const kvq::Layout rows = kvq::layout(int(embed_type), H);
+        std::vector<float> in(B * 2 * H), x(B * H), h(B * H), gu(B * 2 * I), act(B * I), d(B * H), logits(B * V);
+        int64_t* guess = out.data_ptr<int64_t>();
+        for (int64_t b = 0; b < B; ++b) std::copy_n(features.data_ptr<float>() + b * H, H, in.data() + b * 2 * H + H);
+        for (int64_t step = 0; step < k; ++step) {
+            for (int64_t b = 0; b < B; ++b) {
+                const int64_t token = step == 0 ? first.data_ptr<int64_t>()[b] : guess[b * k + step - 1];
+                TORCH_CHECK(token >= 0 && token < embed.size(0), "token id ", token, " is past the embedding's ", embed.size(0), " rows");
+                kvq::dequantize_f32(int(embed_type), embed.data_ptr<uint8_t>() + token * rows.row_bytes, rows, 0, 1, in.data() + b * 2 * H);
+            }
+            fc.apply(in.data(), B, 2 * H, int8, x.data());
+            for (int64_t b = 0; b < B; ++b) kvp::rms_norm_row(x.data() + b * H, norm.data_ptr<float>(), H, float(eps), h.data() + b * H);
+            gate_up.apply(h.data(), B, H, int8, gu.data());
+            for (int64_t b = 0; b < B; ++b) kvp::silu_mul_row(gu.data() + b * 2 * I, gu.data() + b * 2 * I + I, I, act.data() + b * I);
+            down.apply(act.data(), B, I, int8, d.data());
+            for (int64_t i = 0; i < B * H; ++i) x[i] += d[i];
+            for (int64_t b = 0; b < B; ++b)
+                kvp::rms_norm_row(x.data() + b * H, out_norm.data_ptr<float>(), H, float(out_eps), in.data() + b * 2 * H + H);
+            for (int64_t b = 0; b < B; ++b) std::copy_n(in.data() + b * 2 * H + H, H, h.data() + b * H);
+            head.apply(h.data(), B, H, int8, logits.data());
+            for (int64_t b = 0; b < B; ++b) {
+                const float* row = logits.data() + b * V;
+                guess[b * k + step] = vocab.data_ptr<int64_t>()[std::max_element(row, row + V) - row];  // the first largest, as argmax
+            }
+        }
+        return out;
+    }
+};
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
@@ -264,4 +330,9 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         .def(torch::init<>())
         .def("add", &DecodeStack::add)
         .def("forward", &DecodeStack::forward);
+    m.class_<FeatureDraft>("FeatureDraft")
+        .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, std::vector<at::Tensor>, std::vector<int64_t>,
+                         std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, std::vector<at::Tensor>, std::vector<int64_t>,
+                         at::Tensor, at::Tensor, int64_t, bool>())
+        .def("propose", &FeatureDraft::propose);
 }

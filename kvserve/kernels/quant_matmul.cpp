@@ -400,13 +400,16 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K, at::Sca
                                       : at::empty({w.size(0), K}, w.options().dtype(dtype));
     const uint8_t* wp = w.data_ptr<uint8_t>();
     at::parallel_for(0, w.size(0), 16, [&](int64_t begin, int64_t end) {
-        float* f32 = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
-        if (use_avx512 && f32) dequantize_rows_avx512(static_cast<int>(type), wp, L, begin, end, f32);
+        if (dtype == at::kFloat) kvq::dequantize_f32(static_cast<int>(type), wp, L, begin, end, out.data_ptr<float>());
         else if (use_avx512) dequantize_rows_avx512(static_cast<int>(type), wp, L, begin, end, reinterpret_cast<uint16_t*>(out.data_ptr()));
-        else if (f32) dequantize_rows(static_cast<int>(type), wp, L, begin, end, f32);
         else dequantize_rows(static_cast<int>(type), wp, L, begin, end, out.data_ptr<at::BFloat16>());
     });
     return out;
+}
+
+void kvq::dequantize_f32(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, float* out) {
+    if (use_avx512) dequantize_rows_avx512(type, w, L, n0, n1, out);
+    else dequantize_rows(type, w, L, n0, n1, out);
 }
 
 // out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows (see quants.h).

@@ -166,6 +166,9 @@ Layout checked_layout(int64_t type, int64_t K);
 void matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
             float* out, int64_t ldo);
 
+// Packed rows [n0, n1) of `type` as fp32, row n at out + n * L.K (quant_matmul.cpp).
+void dequantize_f32(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, float* out);
+
 // The int8-activation kernels' view of M rows of x, prepared once a call. Each row is quantized per 32 values
 // (scale = max|x| / 127, codes round(x / scale)) and laid out per group of four units to match the weight
 // codes, group-major (group g of row r at g * rows + r: a weight group's activation rows lie together):

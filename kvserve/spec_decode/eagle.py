@@ -21,10 +21,10 @@ from torch import nn
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
 from kvserve.kernels import native_ops
-from kvserve.layers.linear import Linear, VocabSubset
+from kvserve.layers.linear import Embedding, Linear, VocabSubset
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import gather_on_huge_pages
-from kvserve.models.base import use_q8_weights
+from kvserve.models.base import CausalLM, use_q8_weights
 from kvserve.spec_decode.draft import read_draft_vocab, write_draft_vocab
 from kvserve.spec_decode.proposer import MAX_BATCH, Proposer, check_ints
 
@@ -62,6 +62,18 @@ class FeatureDraft(nn.Module):
         self.native = self.norm.native = self.out_norm.native = True
         for linear in (self.fc, self.gate_up_proj, self.down_proj):
             linear.int8_activations = int8_activations
+
+    def fuse(self, head: VocabSubset, embed: Embedding) -> torch.ScriptObject | None:
+        """The block, `head` and `embed` as one native op making all of a step's guesses (kernels/decode_layer.cpp:
+        FeatureDraft), where all three are packed; else None."""
+        linears = (self.fc, self.gate_up_proj, self.down_proj, head.head)
+        if (not self.native or embed.qweight is None or len(embed.qweight.parts) != 1 or any(m.qweight is None for m in linears)
+                or len({m.int8_activations for m in linears}) > 1):
+            return None
+        fc, gate_up, down, head_rows = (m.qweight.kernel_args for m in linears)
+        (embed_rows,), (embed_type,) = embed.qweight.kernel_args
+        return torch.classes.kvserve.FeatureDraft(*fc, self.norm.weight, self.norm.eps, *gate_up, *down, self.out_norm.weight,
+                                                  self.out_norm.eps, *head_rows, head.ids, embed_rows, embed_type, self.fc.int8_activations)
 
     def save(self, out: Path, vocab: list[int] | None) -> None:
         out.mkdir(parents=True, exist_ok=True)
@@ -103,6 +115,9 @@ class EagleProposer(Proposer):
             gather_on_huge_pages([m.qweight for m in (draft.fc, draft.gate_up_proj, draft.down_proj, self.head.head) if m.qweight is not None])
         self.draft = draft.to(engine.runner.device)
         self.embed = target.embed
+        # Gemma scales its embeddings: the fused op reads plain rows
+        self.fused = draft.fuse(self.head, target.embed_tokens) if type(target).embed is CausalLM.embed else None
+        self.fused_rows = min(m.kernel_rows for m in (draft.fc, draft.gate_up_proj, draft.down_proj, self.head.head))
         engine.runner.keep_features = True
 
     def observe(self, seqs: list[Sequence], features: torch.Tensor) -> None:
@@ -120,14 +135,20 @@ class EagleProposer(Proposer):
             return guesses
         tokens = torch.tensor([seqs[i].token_ids[-1] for i in ready], device=self.head.ids.device)
         features = torch.stack([self.state(seqs[i]).own[1] for i in ready])
+        for i, row in zip(ready, self.guess(tokens, features, max(limits[i] for i in ready)).tolist()):
+            guesses[i] = row[:limits[i]]
+        return guesses
+
+    def guess(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
+        """[B, k] greedy guesses after each row's newest token [B] and the hidden state that gave it [B, hidden]."""
+        if self.fused is not None and len(tokens) <= self.fused_rows:  # more rows: the modules' GEMM path multiplies them
+            return self.fused.propose(tokens, features, k)
         steps = []
-        for _ in range(max(limits[i] for i in ready)):
+        for _ in range(k):
             features = self.draft(self.embed(tokens), features)
             tokens = self.head.ids[self.head.head(features).argmax(-1)]
             steps.append(tokens)
-        for i, row in zip(ready, torch.stack(steps, 1).tolist()):
-            guesses[i] = row[:limits[i]]
-        return guesses
+        return torch.stack(steps, 1)
 
     def forget(self, seq: Sequence) -> None:
         if seq.spec_state is not None:
