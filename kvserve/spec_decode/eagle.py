@@ -5,8 +5,9 @@ guess, whose embedding with the predicted state gives the next guess.
 
 The target's hidden state already carries the context, so the draft is one MLP block without attention and
 without a KV cache of its own: nothing to catch up on or roll back, and a step reads ~8.5 MB (its Q8_0 block,
-3.5 MB, and 8,192 rows of the target's head) where a 10-layer draft reads ~30 MB. On SmolLM2, attention in the block kept no more guesses
-(50.1% against 50.0% of first guesses on held-out answers). `kvserve distill --eagle` trains one.
+3.5 MB, and 8,192 rows of the target's head) where a 10-layer draft reads ~30 MB. On SmolLM2, attention in the
+block kept no more guesses (50.1% against 50.0% of first guesses on held-out answers). `kvserve distill --eagle`
+trains one.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch import nn
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
 from kvserve.kernels import native_ops
-from kvserve.layers.linear import Embedding, Linear, VocabSubset
+from kvserve.layers.linear import Linear, VocabSubset
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import gather_on_huge_pages
 from kvserve.models.base import CausalLM, use_q8_weights
@@ -63,12 +64,13 @@ class FeatureDraft(nn.Module):
         for linear in (self.fc, self.gate_up_proj, self.down_proj):
             linear.int8_activations = int8_activations
 
-    def fuse(self, head: VocabSubset, embed: Embedding) -> torch.ScriptObject | None:
-        """The block, `head` and `embed` as one native op making all of a step's guesses (kernels/decode_layer.cpp:
-        FeatureDraft), where all three are packed; else None."""
-        linears = (self.fc, self.gate_up_proj, self.down_proj, head.head)
-        if (not self.native or embed.qweight is None or len(embed.qweight.parts) != 1 or any(m.qweight is None for m in linears)
-                or len({m.int8_activations for m in linears}) > 1):
+    def fuse(self, head: VocabSubset, target: CausalLM) -> torch.ScriptObject | None:
+        """The block, `head` and the target's embedding as one native op making all of a step's guesses
+        (kernels/decode_layer.cpp: FeatureDraft), where all three are packed and the embedding is plain rows (Gemma
+        scales its); else None."""
+        linears, embed = (self.fc, self.gate_up_proj, self.down_proj, head.head), target.embed_tokens
+        if (not self.native or type(target).embed is not CausalLM.embed or embed.qweight is None or len(embed.qweight.parts) != 1
+                or any(m.qweight is None for m in linears) or len({m.int8_activations for m in linears}) > 1):
             return None
         fc, gate_up, down, head_rows = (m.qweight.kernel_args for m in linears)
         (embed_rows,), (embed_type,) = embed.qweight.kernel_args
@@ -110,14 +112,13 @@ class EagleProposer(Proposer):
             raise KVServeError(f"the feature draft lists token ids past the model's vocabulary ({target.config.vocab_size})")
         ids = torch.tensor(vocab if vocab is not None else range(target.config.vocab_size), dtype=torch.long)
         self.head = VocabSubset(target.lm_head, ids)
+        linears = (draft.fc, draft.gate_up_proj, draft.down_proj, self.head.head)
         if engine.runner.native:
             draft.use_native_kernels(int8_activations=engine.config.matmul_dtype != "float32")
-            gather_on_huge_pages([m.qweight for m in (draft.fc, draft.gate_up_proj, draft.down_proj, self.head.head) if m.qweight is not None])
+            gather_on_huge_pages([m.qweight for m in linears if m.qweight is not None])
         self.draft = draft.to(engine.runner.device)
         self.embed = target.embed
-        # Gemma scales its embeddings: the fused op reads plain rows
-        self.fused = draft.fuse(self.head, target.embed_tokens) if type(target).embed is CausalLM.embed else None
-        self.fused_rows = min(m.kernel_rows for m in (draft.fc, draft.gate_up_proj, draft.down_proj, self.head.head))
+        self.fused, self.fused_rows = draft.fuse(self.head, target), min(m.kernel_rows for m in linears)
         engine.runner.keep_features = True
 
     def observe(self, seqs: list[Sequence], features: torch.Tensor) -> None:
