@@ -181,8 +181,10 @@ struct Prepared {
 void quantize_activations(int type, const float* x, int64_t M, int64_t K, Prepared& p) {
     const Info t = info(type);
     const int64_t units = K / 32, groups = (units + 3) / 4, n = M * groups;
-    p.xa.assign(64 * n, 0), p.xb.assign(64 * n, 0), p.xs.assign(16 * n, 0.0f), p.xm.assign(16 * n, 0.0f), p.xsum.assign(4 * n, 0.0f);
+    p.xa.assign(64 * n, 0), p.xb.assign(64 * n, 0), p.xs.assign(16 * n, 0.0f), p.xm.assign(16 * n, 0.0f);
+    p.xsum.assign(16 * M * ((units + 15) / 16), 0.0f);
     p.corr.assign(16 * n, 0), p.corr_b.assign(t.per16 ? 16 * n : 0, 0);
+    const Activations view = p.view(M);
     for (int64_t r = 0; r < M; ++r) {
         for (int64_t u = 0; u < units; ++u) {
             const float* xu = x + r * K + 32 * u;
@@ -213,7 +215,7 @@ void quantize_activations(int type, const float* x, int64_t M, int64_t K, Prepar
                 if (t.per16) p.corr_b[16 * i + 4 * p4 + l] = t.offset * sb;
                 total += sa + sb;
             }
-            p.xsum[4 * i + p4] = scale * float(total);
+            p.xsum[view.unit_at(u, r)] = scale * float(total);
         }
     }
 }
@@ -295,7 +297,7 @@ void rows_int8_avx2(const uint8_t* w, const Layout& L, const Activations& a, int
         }
         if constexpr (t.min) {
             const __m128 m = _mm_setr_ps(s[0].min, s[1].min, s[2].min, s[3].min);
-            for (int r = 0; r < R; ++r) acc_min[r] = _mm_fmadd_ps(m, _mm_loadu_ps(a.xsum + 4 * a.at(g, r0 + r)), acc_min[r]);
+            for (int r = 0; r < R; ++r) acc_min[r] = _mm_fmadd_ps(m, _mm_loadu_ps(a.xsum + a.unit_at(4 * g, r0 + r)), acc_min[r]);
         }
     }
     for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + hsum(acc_min[r]);

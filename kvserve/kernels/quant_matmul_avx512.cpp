@@ -22,8 +22,8 @@ bool avx512_supported() {
 
 namespace {
 
-// A group's codes (low halves of its units, high halves), the scales of each int32 lane for both, and each lane's
-// unit's min.
+// A group's codes (low halves of its units, high halves), the scales of each int32 lane for both, and (K-quants)
+// each lane's unit's min.
 struct Group {
     __m512i lo, hi;
     __m512 s_lo, s_hi, min;
@@ -68,7 +68,6 @@ inline Group load_group(const uint8_t* w, const Layout& L, int64_t g) {
     }
     if constexpr (!t.kquant) {
         G.s_lo = G.s_hi = spread(_mm_cvtph_ps(load_halves(w + L.scales + 8 * g, n)));
-        if constexpr (t.min) G.min = spread(_mm_cvtph_ps(load_halves(w + L.mins + 8 * g, n)));
     } else if constexpr (t.per16) {  // eight scales, one per 16 weights: even ones for the low halves, odd for the high
         const float d = fp16(w + L.super_scales + 2 * (g / 2));  // a group never straddles 256 weights
         const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
@@ -129,10 +128,20 @@ void tile(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, f
                     if constexpr (t.offset != 0) d = _mm512_sub_epi32(d, corr);
                     acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(G[c].s_lo, xs), acc[r][c]);
                 }
-                if constexpr (t.min) acc[r][c] = _mm512_fmadd_ps(G[c].min, _mm512_loadu_ps(a.xm + 16 * i), acc[r][c]);
+                if constexpr (t.min && t.kquant) acc[r][c] = _mm512_fmadd_ps(G[c].min, _mm512_loadu_ps(a.xm + 16 * i), acc[r][c]);
             }
         }
     }
+    if constexpr (t.min && !t.kquant)  // Q4_1/Q5_1: each unit's fp16 min times its sum of x, 16 units an FMA, once a row
+        for (int64_t u = 0; u < L.units; u += 16) {
+            const int64_t n = L.units - u < 16 ? L.units - u : 16;
+            for (int c = 0; c < C; ++c) {
+                const uint8_t* m = w + c * L.row_bytes + L.mins + 2 * u;
+                const __m512 mins = _mm512_cvtph_ps(n == 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m))
+                                                            : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), m));
+                for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(a.xsum + a.unit_at(u, r0 + r)), acc[r][c]);
+            }
+        }
     for (int r = 0; r < R; ++r) {
         if constexpr (C == 4) {
             _mm_storeu_ps(out + r * ldo, reduce4(acc[r]));
