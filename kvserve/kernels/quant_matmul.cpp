@@ -181,7 +181,8 @@ struct Prepared {
 void quantize_activations(int type, const float* x, int64_t M, int64_t K, Prepared& p) {
     const Info t = info(type);
     const int64_t units = K / 32, groups = (units + 3) / 4, n = M * groups;
-    p.xa.assign(64 * n, 0), p.xb.assign(64 * n, 0), p.xs.assign(16 * n, 0.0f), p.xm.assign(16 * n, 0.0f);
+    const bool lane_mins = t.min && t.kquant;  // xm: only the K-quants' min term reads it
+    p.xa.assign(64 * n, 0), p.xb.assign(64 * n, 0), p.xs.assign(16 * n, 0.0f), p.xm.assign(lane_mins ? 16 * n : 0, 0.0f);
     p.xsum.assign(16 * M * ((units + 15) / 16), 0.0f);
     p.corr.assign(16 * n, 0), p.corr_b.assign(t.per16 ? 16 * n : 0, 0);
     const Activations view = p.view(M);
@@ -210,7 +211,7 @@ void quantize_activations(int type, const float* x, int64_t M, int64_t K, Prepar
                     p.xb[64 * i + 16 * p4 + j] = static_cast<int8_t>(q[j + 16]), sb += q[j + 16];
                 }
                 p.xs[16 * i + 4 * p4 + l] = scale;
-                p.xm[16 * i + 4 * p4 + l] = scale * float(sa + sb);
+                if (lane_mins) p.xm[16 * i + 4 * p4 + l] = scale * float(sa + sb);
                 p.corr[16 * i + 4 * p4 + l] = t.offset * (t.per16 ? sa : sa + sb);
                 if (t.per16) p.corr_b[16 * i + 4 * p4 + l] = t.offset * sb;
                 total += sa + sb;

@@ -174,8 +174,8 @@ void dequantize_f32(int type, const uint8_t* w, const Layout& L, int64_t n0, int
 // codes, group-major (group g of row r at g * rows + r: a weight group's activation rows lie together):
 // xa holds each unit's first 16 codes, xb its last 16 (byte 16p + j of a group: unit p's value j), xs the
 // scale of each 32-bit lane's unit (16 a group), corr the type's offset times each lane's sum of codes (xa +
-// xb, or apart for Q6_K: corr then corr_b), xm each lane's sum of dequantized values (xa + xb: the K-quants'
-// min term, m * sum x, summed lane by lane), xsum each unit's sum of dequantized values, in chunks of 16 units
+// xb, or apart for Q6_K: corr then corr_b), xm (Q4_K/Q5_K only) each lane's sum of dequantized values (xa + xb:
+// their min term, m * sum x, summed lane by lane), xsum each unit's sum of dequantized values, in chunks of 16 units
 // (chunk-major, zeros past the row's units: unit_at).
 struct Activations {
     const int8_t *xa, *xb;
