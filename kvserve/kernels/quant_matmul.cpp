@@ -254,6 +254,49 @@ inline void half_codes(const uint8_t* w, const Layout& L, int64_t g, int h, int 
     }
 }
 
+// The first `bytes` (even, at most 8) bytes at p, zeros after them, without reading past them (nor a memcpy call).
+inline uint64_t load_upto8(const uint8_t* p, int bytes) {
+    if (bytes == 8) return load64(p);
+    uint64_t v = 0;
+    if (bytes & 4) {
+        uint32_t x;
+        std::memcpy(&x, p, 4);
+        v = x;
+    }
+    if (bytes & 2) {
+        uint16_t x;
+        std::memcpy(&x, p + (bytes & 4), 2);
+        v |= uint64_t(x) << (8 * (bytes & 4));
+    }
+    return v;
+}
+
+// The same for up to 16 bytes.
+inline __m128i load_upto16(const uint8_t* p, int bytes) {
+    if (bytes == 16) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return bytes <= 8 ? _mm_cvtsi64_si128(static_cast<int64_t>(load_upto8(p, bytes)))
+                      : _mm_set_epi64x(static_cast<int64_t>(load_upto8(p + 8, bytes - 8)), static_cast<int64_t>(load64(p)));
+}
+
+// The scales of a group's n units, one vector load and conversion for all: lane p holds unit p's scale (Q6_K:
+// lanes 2p and 2p + 1 hold its low and high halves' scales).
+template <int TYPE>
+inline __m256 group_scales(const uint8_t* w, const Layout& L, int64_t g, int n) {
+    constexpr Info t = info(TYPE);
+    if constexpr (!t.kquant) {
+        return _mm256_castps128_ps256(_mm_cvtph_ps(load_upto16(w + L.scales + 8 * g, 2 * n)));
+    } else {  // K-quants' groups are whole: K is whole blocks of 256
+        const __m256 d = _mm256_set1_ps(fp16(w + L.super_scales + 2 * (g / 2)));
+        if constexpr (t.per16) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_upto16(w + L.scales + 8 * g, 8))));
+        return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load_upto16(w + L.scales + 4 * g, 4))));
+    }
+}
+
+// Lanes 0-3 of the result from lane i of v, lanes 4-7 from lane j.
+inline __m256 pair_lanes(__m256 v, int i, int j) {
+    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(i, i, i, i, j, j, j, j));
+}
+
 template <int TYPE, int R>
 void rows_int8_avx2(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, float* out, int64_t ldo) {
     constexpr Info t = info(TYPE);
@@ -262,14 +305,13 @@ void rows_int8_avx2(const uint8_t* w, const Layout& L, const Activations& a, int
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), acc_min[r] = _mm_setzero_ps();
     for (int64_t g = 0; g < L.groups; ++g) {
         const int n = static_cast<int>(std::min<int64_t>(4, L.units - 4 * g));
-        UnitScale s[4] = {};
-        for (int p = 0; p < n; ++p) s[p] = unit_scale(TYPE, w, L, 4 * g + p);
+        const __m256 scales = group_scales<TYPE>(w, L, g, n);
         for (int h = 0; h < 2 && 2 * h < n; ++h) {
             const int units = std::min(2, n - 2 * h);
             __m256i lo, hi;
             half_codes<TYPE>(w, L, g, h, units, &lo, &hi);
-            const __m256 s_lo = _mm256_setr_m128(_mm_set1_ps(s[2 * h].lo), _mm_set1_ps(s[2 * h + 1].lo));
-            const __m256 s_hi = _mm256_setr_m128(_mm_set1_ps(s[2 * h].hi), _mm_set1_ps(s[2 * h + 1].hi));
+            const __m256 s_lo = t.per16 ? pair_lanes(scales, 4 * h, 4 * h + 2) : pair_lanes(scales, 2 * h, 2 * h + 1);
+            const __m256 s_hi = t.per16 ? pair_lanes(scales, 4 * h + 1, 4 * h + 3) : s_lo;
             for (int r = 0; r < R; ++r) {
                 const int64_t i = a.at(g, r0 + r);
                 const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xa + 64 * i + 32 * h));
@@ -296,11 +338,17 @@ void rows_int8_avx2(const uint8_t* w, const Layout& L, const Activations& a, int
                 }
             }
         }
-        if constexpr (t.min) {
-            const __m128 m = _mm_setr_ps(s[0].min, s[1].min, s[2].min, s[3].min);
+        if constexpr (t.min && t.kquant) {  // each unit's min times its sum of x: m = -dmin * mc
+            const __m128 m = _mm_mul_ps(_mm_set1_ps(-fp16(w + L.super_mins + 2 * (g / 2))),
+                                        _mm_cvtepi32_ps(_mm_cvtepu8_epi32(load_upto16(w + L.mins + 4 * g, 4))));
             for (int r = 0; r < R; ++r) acc_min[r] = _mm_fmadd_ps(m, _mm_loadu_ps(a.xsum + a.unit_at(4 * g, r0 + r)), acc_min[r]);
         }
     }
+    if constexpr (t.min && !t.kquant)  // Q4_1/Q5_1: the fp16 mins, eight units an FMA, once a row
+        for (int64_t u = 0; u < L.units; u += 8) {
+            const __m256 m = _mm256_cvtph_ps(load_upto16(w + L.mins + 2 * u, 2 * static_cast<int>(std::min<int64_t>(8, L.units - u))));
+            for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.xsum + a.unit_at(u, r0 + r)), acc[r]);
+        }
     for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + hsum(acc_min[r]);
 }
 
