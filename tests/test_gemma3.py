@@ -9,7 +9,7 @@ from kvserve import LLM
 from kvserve.layers.linear import Linear
 from kvserve.models.loader import transformers_model
 from kvserve.models.registry import resolve_model_path
-from tests.conftest import FP32, greedy
+from tests.conftest import FP32, assert_fused_paths_agree, greedy
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +62,14 @@ def test_local_layers_hold_the_window_at_4k_context(gemma3):
             full_only = layout.block_bytes() * -(-seq.num_computed_tokens // layout.block_size)
             assert pool_bytes < 1.2 * full_only + 5 * (512 // layout.block_size + 1) * layout.block_bytes()
     assert kv.pool.num_used == 0
+
+
+def test_fused_decode_layers_give_the_module_paths_logits():
+    """Gemma 3's decode steps (q/k norms, norms over the attention's and the MLP's outputs, GELU-tanh, sliding and
+    global layers with their own RoPE) as one native call for the layer stack, as fused ops per layer, and as modules;
+    one prompt is past the 512-token window. No prefix caching: each run computes its prompts in the same chunks."""
+    llm = LLM("gemma3-270m", kv_cache_memory="128MiB", enable_prefix_caching=False, **FP32)
+    long = llm.engine.tokenize("Once upon a time, " * 120)
+    assert len(long) > 600
+    prompts = [llm.engine.tokenize(p) for p in ("The capital of France is", "def fibonacci(n):")] + [long]
+    assert_fused_paths_agree(llm, prompts, greedy(24, logprobs=3), tolerance=1e-5)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvserve import LLM
 from kvserve.kernels import native_ops
-from tests.conftest import FP32, greedy
+from tests.conftest import FP32, assert_fused_paths_agree, greedy
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
 T = gguf.GGMLQuantizationType
@@ -223,25 +223,9 @@ def test_fused_decode_layers_give_the_module_paths_logits(matmul_dtype):
     modules: the same greedy tokens, and each step's logprobs equal to float rounding (they run the same kernels
     in the same order)."""
     llm = LLM("smollm2-135m", kv_cache_memory="64MiB", matmul_dtype=matmul_dtype)
-    layers, backend = llm.engine.runner.model.layers, llm.engine.runner.backend
-    assert all(layer.fused is not None for layer in layers) and layers[0].fused_rows > 1 and backend.stack is not None
-    prompts = ["The three primary colors are", "def fibonacci(n):", "Once upon a time"]
-    params = greedy(24, logprobs=3)
-    stacked = llm.generate(prompts, params, use_tqdm=False)  # three decodes a step: the fused ops take several rows
-    stack, backend.stack = backend.stack, None
-    fused = llm.generate(prompts, params, use_tqdm=False)
-    rows = [layer.fused_rows for layer in layers]
-    for layer in layers:
-        layer.fused_rows = 0
-    modules = llm.generate(prompts, params, use_tqdm=False)
-    for layer, n in zip(layers, rows):
-        layer.fused_rows = n
-    backend.stack = stack
-    for a, b, c in zip(stacked, fused, modules):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
-        for x, y, z in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, c.outputs[0].logprobs):
-            assert x.logprob == y.logprob and list(x.top) == list(y.top)  # the same calls, from C++ instead of Python
-            assert x.logprob == pytest.approx(z.logprob, abs=1e-5) and list(x.top) == list(z.top)
+    prompts = ["The three primary colors are", "def fibonacci(n):", "Once upon a time"]  # three decodes a step: several rows
+    assert_fused_paths_agree(llm, prompts, greedy(24, logprobs=3), tolerance=1e-5)
+    stack, layers = llm.engine.runner.backend.stack, llm.engine.runner.model.layers
     x, rope = torch.zeros(1, 576), torch.zeros(1, 64)  # the stack checks a step's arguments before any layer writes
     with pytest.raises(RuntimeError, match="slot 1000000000 is outside the pool"):
         stack.forward(x, [rope], [rope], [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([10**9])], len(layers))

@@ -1,5 +1,6 @@
 // A Llama-family decoder layer for a step of a few rows: before attention, RMSNorm, the q/k/v projection and
-// RoPE; after it, the output projection and residual, RMSNorm, gate/up, SiLU-and-mul, down and residual. Where the
+// RoPE; after it, the output projection and residual, RMSNorm, gate/up, SiLU-and-mul, down and residual (with
+// Qwen3's and Gemma 3's extra norms and Gemma's GELU where set). Where the
 // KV cache's backend can run attention natively (decodes over a float cache: it says so, and hands over its
 // stores), the whole layer is one call; otherwise two calls around the backend's attention, so any KV layout
 // works. Each call replaces a dozen Python-dispatched ops with the same arithmetic (the same kernels, adds and
@@ -11,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "paged_attention.h"
@@ -103,16 +105,37 @@ struct DecodeStep {
     void run(const DecodeLayer& layer, const kva::KVStores& kv, int64_t r, int64_t g, int64_t window, float* y) const;
 };
 
+// A norm over each row of n values, in place, where the layer has it (undefined weight: none).
+struct RowNorm {
+    at::Tensor weight;
+    double eps = 0;
+
+    void set(const at::Tensor& w, double e) { weight = w.contiguous(), eps = e; }
+
+    void check(int64_t n, const char* name) const {
+        TORCH_CHECK(!weight.defined() || (weight.scalar_type() == at::kFloat && weight.numel() == n), name, " must be fp32 [", n, "]");
+    }
+
+    void apply(float* rows, int64_t count, int64_t n, int64_t stride) const {
+        if (!weight.defined()) return;
+        for (int64_t r = 0; r < count; ++r) kvp::rms_norm_row(rows + r * stride, weight.data_ptr<float>(), n, float(eps), rows + r * stride);
+    }
+};
+
 // One layer's weights, set once; `pre` and `post` run around the backend's attention, `forward` runs attention too
 // with the native decode kernel's arguments for this layer and step (its K/V stores and formats, the step's block
 // tables, context lengths, window, and the slots its new K/V go to). Each works on raw rows (the *_rows methods);
-// the tensor methods check their arguments and call them.
+// the tensor methods check their arguments and call them. Options other families add, set after construction:
+// norms over each head of q and k before RoPE (Qwen3, Gemma 3), norms over the attention's and the MLP's outputs
+// before their residual adds (Gemma 3), GELU-tanh instead of SiLU.
 struct DecodeLayer : torch::CustomClassHolder {
     at::Tensor norm1, norm2;
     double eps1, eps2, scale;
     Linear qkv, o, gate_up, down;
     bool int8;
     int64_t heads, kv_heads;
+    RowNorm q_norm, k_norm, attn_out_norm, mlp_out_norm;
+    bool gelu = false;
 
     DecodeLayer(at::Tensor norm1, double eps1, std::vector<at::Tensor> qkv, std::vector<int64_t> qkv_types, c10::optional<at::Tensor> qkv_bias,
                 at::Tensor norm2, double eps2, std::vector<at::Tensor> o, std::vector<int64_t> o_types, c10::optional<at::Tensor> o_bias,
@@ -122,35 +145,57 @@ struct DecodeLayer : torch::CustomClassHolder {
           o(o, o_types, o_bias), gate_up(gate_up, gate_up_types, c10::nullopt), down(down, down_types, c10::nullopt),
           int8(int8_activations), heads(heads), kv_heads(kv_heads) {}
 
+    void qk_norms(const at::Tensor& q, double q_eps, const at::Tensor& k, double k_eps) { q_norm.set(q, q_eps), k_norm.set(k, k_eps); }
+
+    void output_norms(const at::Tensor& attn, double attn_eps, const at::Tensor& mlp, double mlp_eps) {
+        attn_out_norm.set(attn, attn_eps), mlp_out_norm.set(mlp, mlp_eps);
+    }
+
+    void activation(const std::string& name) {
+        TORCH_CHECK(name == "silu" || name == "gelu_pytorch_tanh", "the fused layer runs silu or gelu_pytorch_tanh, not ", name);
+        gelu = name == "gelu_pytorch_tanh";
+    }
+
     // TORCH_CHECKs that rows of H values with heads of D values fit this layer's weights.
     void check(int64_t H, int64_t D) const {
         qkv.check(H), gate_up.check(H), down.check(gate_up.out / 2);
         TORCH_CHECK(norm1.numel() == H && norm2.numel() == H && o.out == H && down.out == H, "the layer's width is not ", H);
         TORCH_CHECK((heads + 2 * kv_heads) * D == qkv.out && gate_up.out % 2 == 0, "the q/k/v projection does not give heads of ", D);
         o.check(heads * D);
+        q_norm.check(D, "q_norm"), k_norm.check(D, "k_norm"), attn_out_norm.check(H, "attn_out_norm"), mlp_out_norm.check(H, "mlp_out_norm");
     }
 
-    // rms_norm(x) projected to q/k/v [T, (heads + 2 kv_heads) D], RoPE applied to q's and k's heads (cos/sin [T, D]).
+    // rms_norm(x) projected to q/k/v [T, (heads + 2 kv_heads) D], q's and k's heads normed (where the layer does) and
+    // rotated (cos/sin [T, D]).
     void pre_rows(const float* x, int64_t T, int64_t H, const float* cos, const float* sin, int64_t D, float* out) const {
         thread_local std::vector<float> h;
         h.resize(T * H);
         for (int64_t t = 0; t < T; ++t) kvp::rms_norm_row(x + t * H, norm1.data_ptr<float>(), H, float(eps1), h.data() + t * H);
         qkv.apply(h.data(), T, H, int8, out);
-        for (int64_t t = 0; t < T; ++t)
-            for (int64_t head = 0; head < heads + kv_heads; ++head) kvp::rope_head(out + t * qkv.out + head * D, cos + t * D, sin + t * D, D);
+        for (int64_t t = 0; t < T; ++t) {
+            float* row = out + t * qkv.out;
+            q_norm.apply(row, heads, D, D), k_norm.apply(row + heads * D, kv_heads, D, D);
+            for (int64_t head = 0; head < heads + kv_heads; ++head) kvp::rope_head(row + head * D, cos + t * D, sin + t * D, D);
+        }
     }
 
-    // y = x + o(attn); y + down(silu(gate(n)) * up(n)) with n = rms_norm(y), for attn [T, A]; y may be x.
+    // y = x + o(attn); y + down(act(gate(n)) * up(n)) with n = rms_norm(y), for attn [T, A] (each output normed first
+    // where the layer does); y may be x.
     void post_rows(const float* x, const float* attn, int64_t T, int64_t H, int64_t A, float* y) const {
         const int64_t I = gate_up.out / 2;
         thread_local std::vector<float> proj, h, gu, act;
         proj.resize(T * H), h.resize(T * H), gu.resize(T * 2 * I), act.resize(T * I);
         o.apply(attn, T, A, int8, proj.data());
+        attn_out_norm.apply(proj.data(), T, H, H);
         for (int64_t i = 0; i < T * H; ++i) y[i] = x[i] + proj[i];
         for (int64_t t = 0; t < T; ++t) kvp::rms_norm_row(y + t * H, norm2.data_ptr<float>(), H, float(eps2), h.data() + t * H);
         gate_up.apply(h.data(), T, H, int8, gu.data());
-        for (int64_t t = 0; t < T; ++t) kvp::silu_mul_row(gu.data() + t * 2 * I, gu.data() + t * 2 * I + I, I, act.data() + t * I);
+        for (int64_t t = 0; t < T; ++t) {
+            const float* g = gu.data() + t * 2 * I;
+            gelu ? kvp::gelu_tanh_mul_row(g, g + I, I, act.data() + t * I) : kvp::silu_mul_row(g, g + I, I, act.data() + t * I);
+        }
         down.apply(act.data(), T, I, int8, proj.data());
+        mlp_out_norm.apply(proj.data(), T, H, H);
         for (int64_t i = 0; i < T * H; ++i) y[i] += proj[i];
     }
 
@@ -323,6 +368,9 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         .def(torch::init<at::Tensor, double, std::vector<at::Tensor>, std::vector<int64_t>, c10::optional<at::Tensor>, at::Tensor, double,
                          std::vector<at::Tensor>, std::vector<int64_t>, c10::optional<at::Tensor>, std::vector<at::Tensor>,
                          std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>, bool, int64_t, int64_t, double>())
+        .def("qk_norms", &DecodeLayer::qk_norms)
+        .def("output_norms", &DecodeLayer::output_norms)
+        .def("activation", &DecodeLayer::activation)
         .def("pre", &DecodeLayer::pre)
         .def("post", &DecodeLayer::post)
         .def("forward", &DecodeLayer::forward);

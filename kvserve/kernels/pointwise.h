@@ -45,4 +45,20 @@ inline void silu_mul_row(const float* g, const float* u, int64_t n, float* out) 
     for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
+// out[i] = gelu(g[i]) * u[i] for n values, GELU's tanh approximation as torch's gelu(approximate="tanh"):
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), with tanh(y) = 1 - 2 / (exp(2y) + 1).
+inline void gelu_tanh_mul_row(const float* g, const float* u, int64_t n, float* out) {
+    const float k = 0.7978845608028654f, c = 0.044715f;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gi = _mm256_loadu_ps(g + i);
+        const __m256 y = _mm256_mul_ps(_mm256_set1_ps(k), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c), gi), _mm256_mul_ps(gi, gi), gi));
+        const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f),
+                                                                           _mm256_add_ps(exp_ps(_mm256_add_ps(y, y)), _mm256_set1_ps(1.0f))));
+        const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), gi), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; ++i) out[i] = 0.5f * g[i] * (1.0f + std::tanh(k * (g[i] + c * g[i] * g[i] * g[i]))) * u[i];
+}
+
 }  // namespace kvp

@@ -6,27 +6,28 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from kvserve.attention import ForwardContext
 from kvserve.config import ModelConfig
 from kvserve.errors import KVServeError
 from kvserve.layers.norm import RMSNorm
-from kvserve.models.llama import MLP, Attention, LlamaForCausalLM, Rope
+from kvserve.models.llama import DecoderLayer, LlamaForCausalLM, Rope
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
+    """Its post_attention_layernorm norms the attention's output; pre_feedforward_layernorm is the norm before the MLP."""
+
     def __init__(self, config: ModelConfig, layer: int):
-        super().__init__()
+        super().__init__(config, layer)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm, self.post_attention_layernorm = RMSNorm(size, eps), RMSNorm(size, eps)
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = RMSNorm(size, eps), RMSNorm(size, eps)
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+    def unfused(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, ctx))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm, RMSNorm]:
+        return self.input_layernorm, self.pre_feedforward_layernorm, self.post_attention_layernorm, self.post_feedforward_layernorm
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

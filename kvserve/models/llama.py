@@ -54,7 +54,7 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.silu = config.hidden_act == "silu"
+        self.silu, self.activation = config.hidden_act == "silu", config.hidden_act
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = ACTIVATIONS[config.hidden_act]
@@ -81,24 +81,37 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         if x.shape[0] <= self.fused_rows:
             return self._fused(x, rope, ctx)
+        return self.unfused(x, rope, ctx)
+
+    def unfused(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """The norms before attention and before the MLP, and those over their outputs (None: none)."""
+        return self.input_layernorm, self.post_attention_layernorm, None, None
+
     def fuse(self) -> bool:
         """Steps of a few rows run as native code (kernels/decode_layer.cpp: the layer in one call where the backend
-        lets the kernel attend, else two around its attention), where this layer is the plain Llama one with quantized
-        weights: the same arithmetic, without dozens of Python-dispatched ops."""
+        lets the kernel attend, else two around its attention), where this layer is the Llama one (or Gemma 3's) with
+        quantized weights: the same arithmetic, without dozens of Python-dispatched ops."""
         attn, mlp = self.self_attn, self.mlp
-        if type(attn) is not Attention or attn.qk_norm or not (attn.native and mlp.native):
+        if type(attn) is not Attention or not attn.native or mlp.activation not in ("silu", "gelu_pytorch_tanh"):
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(m.qweight is None for m in linears) or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
             return False
+        before_attn, before_mlp, after_attn, after_mlp = self.norms()
         self.fused = torch.classes.kvserve.DecodeLayer(
-            self.input_layernorm.weight, self.input_layernorm.eps, *attn.qkv_proj.qweight.kernel_args, attn.qkv_proj.bias,
-            self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, *attn.o_proj.qweight.kernel_args, attn.o_proj.bias,
+            before_attn.weight, before_attn.eps, *attn.qkv_proj.qweight.kernel_args, attn.qkv_proj.bias,
+            before_mlp.weight, before_mlp.eps, *attn.o_proj.qweight.kernel_args, attn.o_proj.bias,
             *mlp.gate_up_proj.qweight.kernel_args, *mlp.down_proj.qweight.kernel_args, attn.qkv_proj.int8_activations,
             attn.heads, attn.kv_heads, attn.scale)
+        if attn.qk_norm:
+            self.fused.qk_norms(attn.q_norm.weight, attn.q_norm.eps, attn.k_norm.weight, attn.k_norm.eps)
+        if after_attn is not None:
+            self.fused.output_norms(after_attn.weight, after_attn.eps, after_mlp.weight, after_mlp.eps)
+        self.fused.activation(mlp.activation)
         self.fused_rows = min(m.kernel_rows for m in linears)
         return True
 
