@@ -2,6 +2,7 @@
 2 MiB, backed by huge pages where the OS allows, and a model's packed weights gathered into one such buffer."""
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -42,8 +43,13 @@ def test_a_large_buffer_lies_on_huge_pages_and_its_tail_on_small_ones():
     t.fill_(1)
     assert huge_kib(t.data_ptr()) == 5 * 2048
     assert huge_kib(t.data_ptr() + t.numel() - 1) == 0  # the tail's span is not advised: no page holds memory past the buffer
-    if "[madvise]" in THP.read_text():  # where only an advised mapping gets them, torch's own buffers do not
-        assert huge_kib(torch.zeros(3 * hugepages.HUGE_PAGE, dtype=torch.uint8).add_(1).data_ptr()) == 0
+    if "[madvise]" in THP.read_text():  # where only an advised mapping gets them, a fresh unadvised one does not
+        plain = mmap.mmap(-1, 3 * hugepages.HUGE_PAGE)  # (not torch.zeros: the allocator may hand back freed, advised memory)
+        plain.write(b"\1" * len(plain))
+        view = torch.frombuffer(plain, dtype=torch.uint8)
+        assert huge_kib(view.data_ptr()) == 0
+        del view
+        plain.close()
 
 
 @pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
