@@ -79,9 +79,11 @@ def greedy(max_tokens: int, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def fused_fused_and_module_outputs(llm: LLM, prompts: list, params) -> tuple[list, list, list]:
+
+def assert_fused_paths_agree(llm: LLM, prompts: list, params, tolerance: float) -> None:
     """The same requests with the decode steps as one native call for the whole layer stack, as fused native ops per
-    layer, and as modules (the engine put back as it was after each)."""
+    layer, and as modules (the engine put back as it was after each): the first two give the same numbers (the same
+    calls, from C++ instead of Python), the modules the same tokens and logprobs within `tolerance`."""
     layers, backend = llm.engine.runner.model.layers, llm.engine.runner.backend
     assert all(layer.fused is not None for layer in layers) and layers[0].fused_rows > 1 and backend.stack is not None
     stacked = llm.generate(prompts, params, use_tqdm=False)
@@ -94,13 +96,7 @@ def fused_fused_and_module_outputs(llm: LLM, prompts: list, params) -> tuple[lis
     for layer, n in zip(layers, rows):
         layer.fused_rows = n
     backend.stack = stack
-    return stacked, fused, modules
-
-
-def assert_fused_paths_agree(llm: LLM, prompts: list, params, tolerance: float) -> None:
-    """Stacked and per-layer fused decode steps give the same numbers (the same calls, from C++ instead of Python);
-    the modules' give the same tokens and logprobs within `tolerance`."""
-    for a, b, c in zip(*fused_fused_and_module_outputs(llm, prompts, params)):
+    for a, b, c in zip(stacked, fused, modules):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
         for x, y, z in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, c.outputs[0].logprobs):
             assert x.logprob == y.logprob and list(x.top) == list(y.top)
