@@ -122,6 +122,24 @@ struct RowNorm {
     }
 };
 
+// The MLP block of a decoder layer or a feature draft over T rows of H: y += down(act(gate(n)) * up(n)) with
+// n = rms_norm(y), the MLP's output normed by out_norm first where it has a weight; act is SiLU or GELU-tanh.
+void mlp_rows(float* y, int64_t T, int64_t H, const at::Tensor& norm, double eps, const Linear& gate_up, const Linear& down, bool int8,
+              bool gelu, const RowNorm& out_norm) {
+    const int64_t I = gate_up.out / 2;
+    thread_local std::vector<float> h, gu, act, proj;
+    h.resize(T * H), gu.resize(T * 2 * I), act.resize(T * I), proj.resize(T * H);
+    for (int64_t t = 0; t < T; ++t) kvp::rms_norm_row(y + t * H, norm.data_ptr<float>(), H, float(eps), h.data() + t * H);
+    gate_up.apply(h.data(), T, H, int8, gu.data());
+    for (int64_t t = 0; t < T; ++t) {
+        const float* g = gu.data() + t * 2 * I;
+        gelu ? kvp::gelu_tanh_mul_row(g, g + I, I, act.data() + t * I) : kvp::silu_mul_row(g, g + I, I, act.data() + t * I);
+    }
+    down.apply(act.data(), T, I, int8, proj.data());
+    out_norm.apply(proj.data(), T, H, H);
+    for (int64_t i = 0; i < T * H; ++i) y[i] += proj[i];
+}
+
 // One layer's weights, set once; `pre` and `post` run around the backend's attention, `forward` runs attention too
 // with the native decode kernel's arguments for this layer and step (its K/V stores and formats, the step's block
 // tables, context lengths, window, and the slots its new K/V go to). Each works on raw rows (the *_rows methods);
@@ -182,21 +200,12 @@ struct DecodeLayer : torch::CustomClassHolder {
     // y = x + o(attn); y + down(act(gate(n)) * up(n)) with n = rms_norm(y), for attn [T, A] (each output normed first
     // where the layer does); y may be x.
     void post_rows(const float* x, const float* attn, int64_t T, int64_t H, int64_t A, float* y) const {
-        const int64_t I = gate_up.out / 2;
-        thread_local std::vector<float> proj, h, gu, act;
-        proj.resize(T * H), h.resize(T * H), gu.resize(T * 2 * I), act.resize(T * I);
+        thread_local std::vector<float> proj;
+        proj.resize(T * H);
         o.apply(attn, T, A, int8, proj.data());
         attn_out_norm.apply(proj.data(), T, H, H);
         for (int64_t i = 0; i < T * H; ++i) y[i] = x[i] + proj[i];
-        for (int64_t t = 0; t < T; ++t) kvp::rms_norm_row(y + t * H, norm2.data_ptr<float>(), H, float(eps2), h.data() + t * H);
-        gate_up.apply(h.data(), T, H, int8, gu.data());
-        for (int64_t t = 0; t < T; ++t) {
-            const float* g = gu.data() + t * 2 * I;
-            gelu ? kvp::gelu_tanh_mul_row(g, g + I, I, act.data() + t * I) : kvp::silu_mul_row(g, g + I, I, act.data() + t * I);
-        }
-        down.apply(act.data(), T, I, int8, proj.data());
-        mlp_out_norm.apply(proj.data(), T, H, H);
-        for (int64_t i = 0; i < T * H; ++i) y[i] += proj[i];
+        mlp_rows(y, T, H, norm2, eps2, gate_up, down, int8, gelu, mlp_out_norm);
     }
 
     // The whole layer for T decoding rows, x -> y (may be x): q/k/v, the new K/V written at their slots and attention
@@ -327,13 +336,13 @@ struct FeatureDraft : torch::CustomClassHolder {
     // [B, k] guesses from each row's newest token [B] and the hidden state that gave it [B, H].
     at::Tensor propose(const at::Tensor& tokens, const at::Tensor& features, int64_t k) {
         check_rows(features, "features");
-        const int64_t B = features.size(0), H = fc.out, I = gate_up.out / 2, V = head.out;
+        const int64_t B = features.size(0), H = fc.out, V = head.out;
         TORCH_CHECK(features.size(1) == H && tokens.scalar_type() == at::kLong && tokens.numel() == B && k >= 1,
                     "propose takes [B] token ids, [B, ", H, "] hidden states and k >= 1");
         const at::Tensor first = tokens.contiguous();
         at::Tensor out = at::empty({B, k}, first.options());
         const kvq::Layout rows = kvq::layout(int(embed_type), H);
-        std::vector<float> in(B * 2 * H), x(B * H), h(B * H), gu(B * 2 * I), act(B * I), d(B * H), logits(B * V);
+        std::vector<float> in(B * 2 * H), x(B * H), h(B * H), logits(B * V);
         int64_t* guess = out.data_ptr<int64_t>();
         for (int64_t b = 0; b < B; ++b) std::copy_n(features.data_ptr<float>() + b * H, H, in.data() + b * 2 * H + H);
         for (int64_t step = 0; step < k; ++step) {
@@ -343,11 +352,7 @@ struct FeatureDraft : torch::CustomClassHolder {
                 kvq::dequantize_f32(int(embed_type), embed.data_ptr<uint8_t>() + token * rows.row_bytes, rows, 0, 1, in.data() + b * 2 * H);
             }
             fc.apply(in.data(), B, 2 * H, int8, x.data());
-            for (int64_t b = 0; b < B; ++b) kvp::rms_norm_row(x.data() + b * H, norm.data_ptr<float>(), H, float(eps), h.data() + b * H);
-            gate_up.apply(h.data(), B, H, int8, gu.data());
-            for (int64_t b = 0; b < B; ++b) kvp::silu_mul_row(gu.data() + b * 2 * I, gu.data() + b * 2 * I + I, I, act.data() + b * I);
-            down.apply(act.data(), B, I, int8, d.data());
-            for (int64_t i = 0; i < B * H; ++i) x[i] += d[i];
+            mlp_rows(x.data(), B, H, norm, eps, gate_up, down, int8, false, RowNorm{});
             for (int64_t b = 0; b < B; ++b)
                 kvp::rms_norm_row(x.data() + b * H, out_norm.data_ptr<float>(), H, float(out_eps), in.data() + b * 2 * H + H);
             for (int64_t b = 0; b < B; ++b) std::copy_n(in.data() + b * 2 * H + H, H, h.data() + b * H);

@@ -104,7 +104,7 @@ class CausalLM(nn.Module):
             if isinstance(module, (RMSNorm, Attention)):
                 module.native = True
             if isinstance(module, MLP):
-                module.native = module.silu
+                module.native = module.activation == "silu"
             if isinstance(module, Linear):
                 module.int8_activations = int8_activations
 

@@ -54,7 +54,7 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.silu, self.activation = config.hidden_act == "silu", config.hidden_act
+        self.activation = config.hidden_act
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = ACTIVATIONS[config.hidden_act]
