@@ -214,6 +214,7 @@ struct DecodeLayer : torch::CustomClassHolder {
                       const int64_t* tables, int64_t W, const int64_t* lens, int64_t window, const int64_t* slots, float* y) const {
         thread_local std::vector<float> projected, attn;
         projected.resize(T * qkv.out), attn.resize(T * heads * D);
+        kva::prefetch_context(kv, T, tables, W, lens, window);
         pre_rows(x, T, H, cos, sin, D, projected.data());
         const float* k_new = projected.data() + heads * D;
         const kva::NewKV fresh{k_new, k_new + kv_heads * D, qkv.out, D, qkv.out, D, slots};

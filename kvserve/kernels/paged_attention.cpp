@@ -389,6 +389,19 @@ void check_step(const KVStores& s, const at::Tensor& block_tables, const at::Ten
     }
 }
 
+void prefetch_context(const KVStores& s, int64_t B, const int64_t* tables, int64_t W, const int64_t* lens, int64_t window) {
+    const Store &k = s.k, &v = s.v;
+    const int64_t bs = k.bs, block_bytes = bs * k.kvh * (row_bytes(k.format, k.dim) + row_bytes(v.format, v.dim));
+    for (int64_t b = 0, budget = (256 << 10) / block_bytes; b < B; ++b) {
+        const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) / bs : 0;
+        for (int64_t i = first; i * bs < lens[b] && budget > 0; ++i, --budget) {
+            const int64_t id = tables[b * W + i];
+            if (id >= s.num_main) s.rk.prefetch(id - s.num_main, false), s.rv.prefetch(id - s.num_main, false);
+            else k.prefetch(id, false), v.prefetch(id, false);
+        }
+    }
+}
+
 void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fresh, int64_t B, int64_t H, const int64_t* tables,
             int64_t W, const int64_t* lens, double scale, int64_t window, float* out) {
     const kvt::Scope timed;
@@ -405,16 +418,19 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
     // One task per (sequence, chunk of its context) covers every head, a block at a time, so each block's rows are
     // read whole and in order. Flash-decoding: a context of L keys splits into chunks of whole blocks, which threads
     // share (two from 128 keys on, so that both threads of a batch-1 step fetch the blocks the weight stream evicted;
-    // at most eight); every chunk keeps its own softmax max and sum per head, merged at the end. The chunks depend
-    // on L alone, so a query's output never depends on the queries beside it: a speculative step's verification
-    // rows give the numbers of the one-token steps they stand for.
+    // at most eight; past the thread count, a multiple of it, so no thread of a batch-1 step takes one chunk more than
+    // another); every chunk keeps its own softmax max and sum per head, merged at the end. The chunks depend on L
+    // (and the thread count) alone, so a query's output never depends on the queries beside it: a speculative step's
+    // verification rows give the numbers of the one-token steps they stand for.
     thread_local std::vector<int64_t> chunk_sizes, first_tasks;  // per sequence: its chunks' size; its first task, and the end
     chunk_sizes.resize(B), first_tasks.assign(B + 1, 0);
     int64_t* chunks = chunk_sizes.data();  // this thread's buffers: their addresses, for the workers
     int64_t* tasks = first_tasks.data();
     int64_t stride = 0;  // the longest chunk: the scores buffer's row
+    const int64_t threads = at::get_num_threads();
     for (int64_t b = 0; b < B; ++b) {
-        const int64_t L = lp[b] - first_key(b), splits = std::clamp<int64_t>(L / (4 * bs), 1, 8);
+        const int64_t L = lp[b] - first_key(b), most = std::clamp<int64_t>(L / (4 * bs), 1, 8);
+        const int64_t splits = most > threads ? most - most % threads : most;
         chunks[b] = ceil_div(ceil_div(L, splits), bs) * bs, stride = std::max(stride, chunks[b]);
         tasks[b + 1] = tasks[b] + ceil_div(L, chunks[b]);
     }

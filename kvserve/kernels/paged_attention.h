@@ -44,4 +44,9 @@ struct NewKV {
 void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fresh, int64_t B, int64_t H, const int64_t* tables,
             int64_t W, const int64_t* lens, double scale, int64_t window, float* out);
 
+// Asks for the first blocks of each sequence's context (its window's, in a sliding layer), up to 256 KiB of K and V,
+// into L2: called before a decode step's q/k/v projection, it fetches what attention reads first while the
+// projection streams its weights, where the weights read since the last step evicted them.
+void prefetch_context(const KVStores& s, int64_t B, const int64_t* tables, int64_t W, const int64_t* lens, int64_t window);
+
 }  // namespace kva
