@@ -7,7 +7,7 @@ same weights, the ones transformers reads).
 All three run in this process on the same weights (transformers loads kvserve's converted copy of the
 GGUF), so the ratios printed at the end are measured under the same machine load. The roofline lines divide
 kvserve's ms per token (after the prompt, and after --long-context tokens) by the time it takes to read the
-model file's bytes once (`torch.ones(n // 4).sum()`), measured in the same run: decode reads every weight once a
+model file's bytes once (`torch.ones(n // 4).sum()`), timed just before and after that decode: decode reads every weight once a
 token, so 1.0 is the memory limit (llama.cpp reaches ~2.3 on a 2-core AVX2 EPYC; issue 16's target is 1.5). Beside
 each, the median step's overhead: its wall time minus the time inside the matmul and attention kernels.
 
@@ -46,12 +46,19 @@ def kvserve_decode(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float,
     return out.metrics.decode_tokens_per_s, step_times, overheads
 
 
-def _cached_decode(model: str, prompts: list[list[int]], new_tokens: int, native_kernels: bool) -> tuple[str, list[tuple[float, float]]]:
-    """The KV cache's dtype, and (tok/s, median per-step overhead in seconds) per prompt."""
+def _cached_decode(model: str, prompts: list[list[int]], new_tokens: int, native_kernels: bool,
+                   nbytes: int) -> tuple[str, list[tuple[float, float, float]]]:
+    """The KV cache's dtype, and (tok/s, median per-step overhead in seconds, ms to read `nbytes` once) per prompt.
+    The read is timed just before and just after each decode (the mean of the two): memory bandwidth on a shared
+    machine drifts within seconds, so a read timed elsewhere in the run can be far from the one the decode had."""
     llm = LLM(model, native_kernels=native_kernels)
     kvserve_decode(llm, prompts[0], 8)  # warm-up
-    return llm.engine.layout.dtype_name, [(rate, statistics.median(overheads))
-                                          for rate, _, overheads in (kvserve_decode(llm, p, new_tokens) for p in prompts)]
+    results = []
+    for p in prompts:
+        before = read_ms(nbytes)
+        rate, _, overheads = kvserve_decode(llm, p, new_tokens)
+        results.append((rate, statistics.median(overheads), (before + read_ms(nbytes)) / 2))
+    return llm.engine.layout.dtype_name, results
 
 
 def read_ms(nbytes: int) -> float:
@@ -97,15 +104,14 @@ def main() -> None:
         parser.error("--prompt-len must be >= 1, --new-tokens >= 2 and --long-context >= 0")
     prompts = [[1000 + (i * 37) % 20000 for i in range(n)] for n in (args.prompt_len, args.long_context) if n]
 
-    (kv, cached), (_, ((fp32_weights, _),)) = (
-        _cached_decode(args.model, prompts, args.new_tokens, True), _cached_decode(args.model, prompts[:1], args.new_tokens, False))
+    path = resolve_model_path(args.model)
+    nbytes = weight_bytes(path)
+    (kv, cached), (_, ((fp32_weights, _, _),)) = (_cached_decode(args.model, prompts, args.new_tokens, True, nbytes),
+                                                  _cached_decode(args.model, prompts[:1], args.new_tokens, False, nbytes))
     with_cache = cached[0][0]
     recompute = LLM(args.model, use_kv_cache=False, max_num_batched_tokens=args.prompt_len + args.new_tokens)
     no_cache, steps, _ = kvserve_decode(recompute, prompts[0], args.new_tokens)
     del recompute
-    path = resolve_model_path(args.model)
-    nbytes = weight_bytes(path)
-    read = read_ms(nbytes)
     hf = transformers_decode(path, prompts[0], args.new_tokens)
 
     print(f"\nbatch-1 decode, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, {DEVICE}, "
@@ -122,11 +128,10 @@ def main() -> None:
     print(f"ratio kvserve cache / transformers: {with_cache / hf:.2f}x")
     print(f"ratio kvserve cache / no_cache:     {with_cache / no_cache:.2f}x")
     print(f"ratio native kernels / plain torch: {with_cache / fp32_weights:.2f}x")
-    print(f"reading the model's {nbytes / 1e6:.0f} MB once: {read:.2f} ms")
-    for context, (rate, extra) in zip((args.prompt_len, args.long_context), cached):
+    for context, (rate, extra, read) in zip((args.prompt_len, args.long_context), cached):
         print(f"roofline at {context:5d} tokens of context: {1000 / rate:6.2f} ms/token ({rate:5.1f} tok/s) = "
-              f"{1000 / rate / read:.2f}x the weight read (target <= 1.5); per-step overhead outside the kernels "
-              f"{extra * 1000:.2f} ms (target < 1.5)")
+              f"{1000 / rate / read:.2f}x the weight read (reading the model's {nbytes / 1e6:.0f} MB once: {read:.2f} ms, "
+              f"timed around this decode; target <= 1.5); per-step overhead outside the kernels {extra * 1000:.2f} ms (target < 1.5)")
     if args.model == "smollm2-135m" and args.long_context == 2000:  # the context llama.cpp's figure was measured at
         long_rate = cached[1][0]
         print(f"at {args.long_context} tokens: {long_rate:.1f} tok/s beside llama.cpp's {LLAMA_CPP_2K} tok/s quoted in issue 16 "
