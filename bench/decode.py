@@ -7,9 +7,9 @@ same weights, the ones transformers reads).
 All three run in this process on the same weights (transformers loads kvserve's converted copy of the
 GGUF), so the ratios printed at the end are measured under the same machine load. The roofline lines divide
 kvserve's ms per token (after the prompt, and after --long-context tokens) by the time it takes to read the
-model file's bytes once (`torch.ones(n // 4).sum()`), timed just before and after that decode: decode reads every weight once a
-token, so 1.0 is the memory limit (llama.cpp reaches ~2.3 on a 2-core AVX2 EPYC; issue 16's target is 1.5). Beside
-each, the median step's overhead: its wall time minus the time inside the matmul and attention kernels.
+model file's bytes once (`torch.ones(n // 4).sum()`), timed just before and after that decode: decode reads every
+weight once a token, so 1.0 is the memory limit (llama.cpp reaches ~2.3 on a 2-core AVX2 EPYC; issue 16's target is
+1.5). Beside each, the median step's overhead: its wall time minus the time inside the matmul and attention kernels.
 
     python bench/decode.py [--model smollm2-135m] [--prompt-len 128] [--new-tokens 128] [--long-context 2000]
 """
