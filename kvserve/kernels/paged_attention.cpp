@@ -331,6 +331,12 @@ struct KVStores {
     Store k, v, rk, rv;
     int64_t num_main = 0, num_residual = 0;
     bool writable = false;  // new tokens land in a float store (the residual pool's, where there is one): attend writes them
+
+    // Asks for block `id` of main store m, or of r, the residual pool's, whose ids follow the main pool's.
+    void prefetch(const Store& m, const Store& r, int64_t id, bool l1) const {
+        if (id >= num_main) r.prefetch(id - num_main, l1);
+        else m.prefetch(id, l1);
+    }
 };
 
 std::shared_ptr<const KVStores> kv_stores(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v, int64_t k_format,
@@ -395,9 +401,7 @@ void prefetch_context(const KVStores& s, int64_t B, const int64_t* tables, int64
     for (int64_t b = 0, budget = (256 << 10) / block_bytes; b < B; ++b) {
         const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) / bs : 0;
         for (int64_t i = first; i * bs < lens[b] && budget > 0; ++i, --budget) {
-            const int64_t id = tables[b * W + i];
-            if (id >= s.num_main) s.rk.prefetch(id - s.num_main, false), s.rv.prefetch(id - s.num_main, false);
-            else k.prefetch(id, false), v.prefetch(id, false);
+            s.prefetch(k, s.rk, tables[b * W + i], false), s.prefetch(v, s.rv, tables[b * W + i], false);
         }
     }
 }
@@ -461,10 +465,6 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
             }
             f(static_cast<const float*>(buffer.data()));
         };
-        auto prefetch_block = [&](const Store& m, const Store& r, int64_t id, bool l1) {
-            if (id >= num_main) r.prefetch(id - num_main, l1);
-            else m.prefetch(id, l1);
-        };
         for (int64_t item = begin; item < end; ++item) {
             const int64_t b = std::upper_bound(tasks, tasks + B + 1, item) - tasks - 1;
             const int64_t t0 = first_key(b) + (item - tasks[b]) * chunks[b], t1 = std::min(lp[b], t0 + chunks[b]), L = t1 - t0;
@@ -473,8 +473,8 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
                 // the blocks of a table lie anywhere: ask for the next K block, and this V block for the pass below
-                if (t + n < t1) prefetch_block(ks, rks, tp[b * W + (t + n) / bs], true);
-                prefetch_block(vs, rvs, tp[b * W + t / bs], false);
+                if (t + n < t1) s.prefetch(ks, rks, tp[b * W + (t + n) / bs], true);
+                s.prefetch(vs, rvs, tp[b * W + t / bs], false);
                 for (int64_t g = 0; g < KVH; ++g)
                     with_block_rows(ks, rks, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
                         float* s = scores.data() + g * G * stride + t - t0;
