@@ -439,9 +439,8 @@ def test_distill_eagle_trains_a_feature_draft_whose_guesses_verify(tmp_path):
     assert sum(report["losses"][-5:]) < sum(report["losses"][:5]) and report["acceptance"]["draft_tokens"] > 0
     assert json.loads((tmp_path / "draft" / "eagle.json").read_text())["intermediate_size"] == 96
     spec = LLM(str(tmp_path / "target"), speculative=f"eagle:model={tmp_path / 'draft'},k=3,min_acceptance=0", **FP32)
-    seen, observe = [], spec.engine.proposer.observe
-    spec.engine.proposer.observe = lambda seqs, features: (seen.extend((s.token_ids[-1], f) for s, f in zip(seqs, features)),
-                                                           observe(seqs, features))
+    seen = []
+    spec.engine.observe_features(lambda seqs, features: seen.extend((s.token_ids[-1], f) for s, f in zip(seqs, features)))
     spec_out = spec.generate(prompts[10:14], greedy(28), use_tqdm=False)  # answers it trained on
     assert [o.outputs[0].token_ids for o in spec_out] == [o.outputs[0].token_ids for o in plain_out[10:14]]
     assert sum(o.metrics.num_accepted_tokens for o in spec_out) > 0
@@ -543,10 +542,47 @@ def test_vocab_subset_head_gives_the_full_heads_logits_at_its_ids():
 def test_distill_answers_are_the_models_chat_answers(smollm2):
     from kvserve.spec_decode.distill import answers
 
-    ids = answers(smollm2, 2, seed=0, max_tokens=8)
+    ids = answers(smollm2, 2, seed=0, max_tokens=8).ids
     chat = smollm2.engine.tokenize(smollm2.apply_chat_template([{"role": "user", "content": "x"}]), add_special_tokens=False)
     assert ids.count(chat[0]) == 2 * chat.count(chat[0])  # two conversations, each a chat prompt and its answer
     assert 2 * len(chat) < len(ids) <= 2 * (len(chat) + 40 + 8)
+
+
+def test_distill_answers_with_states_are_the_states_that_generated_them(smollm2):
+    """For a feature draft: each answer from its prompt's last token on, with the hidden state the target generated
+    the next token from at each position; the engine stops recording afterwards."""
+    from kvserve.spec_decode.distill import answers
+
+    plain = answers(smollm2, 2, seed=0, max_tokens=8).ids
+    text = answers(smollm2, 2, seed=0, max_tokens=8, states=True)
+    assert len(text.ids) == len(text.states) == len(text.starts) and int(text.starts.sum()) == 2
+    chat = smollm2.engine.tokenize(smollm2.apply_chat_template([{"role": "user", "content": "x"}]), add_special_tokens=False)
+    begin = [i for i in range(len(text.ids)) if text.starts[i]]
+    assert all(text.ids[i] == chat[-1] for i in begin)  # the prompt's last token (the template's)
+    stretches = [text.ids[a:b] for a, b in zip(begin, begin[1:] + [len(text.ids)])]
+    assert all(" ".join(map(str, s[1:])) in " ".join(map(str, plain)) for s in stretches)  # the same greedy answers
+    tokens = smollm2.engine.runner.model.compute_logits(text.states).argmax(-1).tolist()
+    assert [t for i, t in enumerate(tokens[:-1]) if not text.starts[i + 1]] == [t for i, t in enumerate(text.ids[1:]) if not text.starts[i + 1]]
+    assert not smollm2.engine.feature_observers and not smollm2.engine.runner.keep_features
+
+
+def test_feature_loss_leaves_out_pairs_across_answers():
+    """A pair of positions that `follows` does not join (the next answer's first) adds nothing to the loss."""
+    from kvserve.spec_decode.distill import feature_loss
+    from kvserve.spec_decode.eagle import FeatureDraft
+
+    torch.manual_seed(0)
+    draft, head = FeatureDraft(16, 32, 1e-5), torch.randn(40, 16)
+    embedded, features = torch.randn(2, 6, 16), torch.randn(2, 6, 16)
+    follows = torch.ones(2, 5, dtype=torch.bool)
+    assert torch.allclose(feature_loss(draft, embedded, features, head, noise=0.0, follows=follows),
+                          feature_loss(draft, embedded, features, head, noise=0.0))
+    follows[1] = False
+    assert torch.allclose(feature_loss(draft, embedded, features, head, noise=0.0, follows=follows),
+                          feature_loss(draft, embedded[:1], features[:1], head, noise=0.0))
+    follows[0, 2:] = False
+    assert torch.allclose(feature_loss(draft, embedded, features, head, noise=0.0, follows=follows),
+                          feature_loss(draft, embedded[:1, :3], features[:1, :3], head, noise=0.0))
 
 
 def test_distill_answers_past_the_prompts_are_sampled_rounds(smollm2, monkeypatch):
@@ -556,7 +592,7 @@ def test_distill_answers_past_the_prompts_are_sampled_rounds(smollm2, monkeypatc
     monkeypatch.setattr(distill, "TASKS", ["Write a short poem about {}."])
     chat = smollm2.engine.tokenize(smollm2.apply_chat_template([{"role": "user", "content": "Write a short poem about the moon."}]),
                                    add_special_tokens=False)
-    ids = distill.answers(smollm2, 3, seed=0, max_tokens=12)
+    ids = distill.answers(smollm2, 3, seed=0, max_tokens=12).ids
     starts = [i for i in range(len(ids)) if ids[i:i + len(chat)] == chat]
     rounds = [ids[a + len(chat):b] for a, b in zip(starts, starts[1:] + [len(ids)])]
     assert len(rounds) == 3  # one prompt, answered three times

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,7 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.requests: dict[str, list[Sequence]] = {}  # a request's completions, by index
         self.output = OutputProcessor(self.kv_manager, self.tokenizer, eos, self._finish)
+        self.feature_observers: list[Callable[[list[Sequence], torch.Tensor], None]] = []
         self.proposer = parse_speculative(config.speculative) if config.speculative else None
         if self.proposer is not None:
             self.proposer.start(self)
@@ -180,6 +182,17 @@ class LLMEngine:
                                    f"blocks of {bs} tokens")
         return policy
 
+    def observe_features(self, callback: Callable[[list[Sequence], torch.Tensor], None]) -> Callable[[], None]:
+        """After every step, callback(seqs, features): each sampling sequence's final hidden state [hidden] that gave
+        its newest token (a feature draft reads them; distillation records them). Returns what stops it."""
+        self.feature_observers.append(callback)
+        self.runner.keep_features = True
+
+        def stop() -> None:
+            self.feature_observers.remove(callback)
+            self.runner.keep_features = bool(self.feature_observers)
+        return stop
+
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
@@ -213,8 +226,8 @@ class LLMEngine:
         for request_id in touched:  # measured while every completion still holds its blocks
             self.requests[request_id][0].metrics.kv_bytes = self.kv_manager.kv_bytes(self.requests[request_id])
         deltas = self.output.process(step)
-        if step.features is not None:
-            self.proposer.observe(step.seqs, step.features)
+        for observe in self.feature_observers:
+            observe(step.seqs, step.features)
         outputs = [self._request_output(request_id, deltas) for request_id in touched]
         if not self.config.use_kv_cache:
             self._drop_kv(batch)

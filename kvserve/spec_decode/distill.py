@@ -16,7 +16,9 @@ lists the `vocab` tokens its LM head keeps (draft_vocab.json): a head over 8,192
 reads a sixth of its bytes (the full head is 30 MB of a 10-layer Q8_0 draft's 68).
 
 With `eagle`, no layers are pruned: a feature draft (spec_decode/eagle.py) learns to predict the target's next
-hidden state from its current one and the token sampled from it, on the target's hidden states for the text.
+hidden state from its current one and the token sampled from it. On `answers` it learns from the states kvserve
+generated each answer token from, recorded as it answered (the very states it reads when serving, kernels'
+rounding included, and no second pass over the text); on other text, from the reference model's states.
 """
 from __future__ import annotations
 
@@ -61,6 +63,15 @@ class DistillSettings:
     seed: int = 0
 
 
+@dataclass(slots=True)
+class Text:
+    """Token ids to train on; for a feature draft on answers, also the hidden state at each position and where
+    each answer's stretch of positions begins (a state there does not follow the one before)."""
+    ids: list[int]
+    states: torch.Tensor | None = None  # [len(ids), hidden]
+    starts: torch.Tensor | None = None  # [len(ids)] bool
+
+
 def distill(settings: DistillSettings, token_ids: list[int] | None = None, progress: bool = True) -> dict:
     """Prune and distill (or with `eagle`, train a feature draft) and save; returns the report (losses,
     perplexity and KL before and after, acceptance)."""
@@ -74,7 +85,8 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
     width = teacher.engine.checkpoint.config.intermediate_size
     if settings.mlp >= width and not settings.eagle:
         raise KVServeError(f"--mlp must be below the model's MLP width ({width}), got {settings.mlp}")
-    ids = token_ids if token_ids is not None else _text_ids(teacher, settings)
+    text = Text(token_ids) if token_ids is not None else _text(teacher, settings)
+    ids = text.ids
     held_out = settings.eval_windows * settings.seq_len
     if len(ids) < held_out + 2 * settings.seq_len:
         raise KVServeError(f"the text has {len(ids)} tokens; distillation needs at least {held_out + 2 * settings.seq_len}")
@@ -83,7 +95,7 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
     vocab = draft_vocab(train, teacher.engine.checkpoint.config.vocab_size, settings.vocab)
     out = Path(settings.out)
     if settings.eagle:
-        report = _distill_features(settings, teacher, evaluation, train, vocab, progress)
+        report = _distill_features(settings, teacher, text, vocab, progress)
         proposer = "eagle"
     else:
         report = _distill_layers(settings, teacher, evaluation, train, vocab, progress)
@@ -117,21 +129,26 @@ def _distill_layers(settings: DistillSettings, teacher: LLM, evaluation: list[li
             "target_perplexity": before["target_perplexity"], "before": before["student"], "after": after["student"]}
 
 
-def _distill_features(settings: DistillSettings, teacher: LLM, evaluation: list[list[int]], train: list[int],
-                      vocab: list[int] | None, progress: bool) -> dict:
-    """A feature draft (spec_decode/eagle.py) trained on the target's hidden states, computed once for the text's
-    windows by the reference model (transformers); its MLP is `mlp` wide (0: the target's MLP width)."""
-    config, length = teacher.engine.checkpoint.config, settings.seq_len
+def _distill_features(settings: DistillSettings, teacher: LLM, text: Text, vocab: list[int] | None, progress: bool) -> dict:
+    """A feature draft (spec_decode/eagle.py) trained on the target's hidden states: the text's own (answers), else
+    computed once for its windows by the reference model (transformers). Its MLP is `mlp` wide (0: the target's MLP
+    width). The first `eval_windows` windows are held out."""
+    config, length, held = teacher.engine.checkpoint.config, settings.seq_len, settings.eval_windows
     reference = transformers_model(teacher.engine.checkpoint.path).eval()
     bf16 = teacher.engine.config.bf16_matmuls
     draft = FeatureDraft(config.hidden_size, settings.mlp or config.intermediate_size, config.rms_norm_eps)
-    windows = torch.tensor([train[i:i + length] for i in range(0, len(train) - length + 1, length)])
-    held_out = torch.tensor(evaluation)
-    features, held_out_features = _hidden_states(reference, windows, bf16), _hidden_states(reference, held_out, bf16)
+    count = len(text.ids) // length * length
+    windows = torch.tensor(text.ids[:count]).view(-1, length)
+    features = (text.states[:count].view(len(windows), length, -1) if text.states is not None
+                else _hidden_states(reference, windows, bf16))
+    follows = (~text.starts[:count].view(len(windows), length)[:, 1:] if text.starts is not None
+               else torch.ones(len(windows), length - 1, dtype=torch.bool))  # a pair of positions the loss may join
     embed, head = reference.get_input_embeddings(), reference.get_output_embeddings().weight.detach()
     ids = torch.tensor(vocab) if vocab is not None else torch.arange(config.vocab_size)
     vocab_head = head[ids]  # the rows the training loss reads, copied once
-    before = evaluate_features(draft, embed, head, ids, held_out, held_out_features)
+    held_out = (windows[:held], features[:held], follows[:held])
+    windows, features, follows = windows[held:], features[held:], follows[held:]
+    before = evaluate_features(draft, embed, head, ids, *held_out)
     generator = torch.Generator().manual_seed(settings.seed)
 
     def loss() -> torch.Tensor:
@@ -139,40 +156,49 @@ def _distill_features(settings: DistillSettings, teacher: LLM, evaluation: list[
         with torch.no_grad():
             embedded = embed(windows[pick])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            return feature_loss(draft, embedded, features[pick], vocab_head, generator)
+            return feature_loss(draft, embedded, features[pick], vocab_head, generator, follows=follows[pick])
 
     losses = train_steps(list(draft.parameters()), loss, settings, progress)
-    after = evaluate_features(draft, embed, head, ids, held_out, held_out_features)
+    after = evaluate_features(draft, embed, head, ids, *held_out)
     draft.save(Path(settings.out), vocab)
     after.pop("target_perplexity")
     return {"losses": losses, "target_perplexity": before.pop("target_perplexity"), "before": before, "after": after}
 
 
 def feature_loss(draft: FeatureDraft, embedded: torch.Tensor, features: torch.Tensor, head: torch.Tensor,
-                 generator: torch.Generator | None = None, noise: float = 0.05) -> torch.Tensor:
+                 generator: torch.Generator | None = None, noise: float = 0.05, follows: torch.Tensor | None = None) -> torch.Tensor:
     """EAGLE's loss on windows [B, T]: from the hidden state at t (with noise, as the draft's own predictions will
     be) and the embedding of token t + 1, the state at t + 1: smooth L1 to it, plus 0.3 x the cross-entropy of the
-    tokens the head gives it (the target's distribution) under the head applied to the prediction."""
+    tokens the head gives it (the target's distribution) under the head applied to the prediction; averaged over
+    the pairs (t, t + 1) that `follows` [B, T - 1] marks (default: all)."""
     current = features[:, :-1] + noise * torch.randn(features[:, :-1].shape, generator=generator)
     predicted, following = draft(embedded[:, 1:], current), features[:, 1:]
     target = F.softmax(following @ head.T, dim=-1)
-    cross_entropy = -(target * F.log_softmax((predicted @ head.T).float(), dim=-1)).sum(-1).mean()
-    return F.smooth_l1_loss(predicted.float(), following) + 0.3 * cross_entropy
+    cross_entropy = -(target * F.log_softmax((predicted @ head.T).float(), dim=-1)).sum(-1)
+    per_pair = F.smooth_l1_loss(predicted.float(), following, reduction="none").mean(-1) + 0.3 * cross_entropy
+    return per_pair.mean() if follows is None else _masked_mean(per_pair, follows)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
 @torch.no_grad()
 def evaluate_features(draft: FeatureDraft, embed, head: torch.Tensor, vocab: torch.Tensor, ids: torch.Tensor,
-                      features: torch.Tensor) -> dict:
-    """On windows [B, T] with the target's hidden states: the draft's perplexity of each token two ahead of a state
-    and its KL from the target's distribution there (full vocabulary), the share of its guesses (over `vocab`)
-    that are the target's greedy token, and the target's perplexity of the next token."""
+                      features: torch.Tensor, follows: torch.Tensor) -> dict:
+    """On windows [B, T] with the target's hidden states, over the pairs of positions `follows` [B, T - 1] joins:
+    the draft's perplexity of each token two ahead of a state and its KL from the target's distribution there
+    (full vocabulary), the share of its guesses (over `vocab`) that are the target's greedy token, and the
+    target's perplexity of the next token."""
     predicted = draft(embed(ids[:, 1:]), features[:, :-1])
     logp, target = F.log_softmax(predicted @ head.T, dim=-1), F.log_softmax(features @ head.T, dim=-1)
-    kl = (target[:, 1:].exp() * (target[:, 1:] - logp)).sum(-1).mean()
+    kl = (target[:, 1:].exp() * (target[:, 1:] - logp)).sum(-1)
     guesses = vocab[(predicted @ head[vocab].T).argmax(-1)]
-    return {"perplexity": math.exp(-float(logp[:, :-1].gather(-1, ids[:, 2:, None]).mean())), "kl_mean": float(kl),
-            "agreement": float((guesses == target[:, 1:].argmax(-1)).float().mean()),
-            "target_perplexity": math.exp(-float(target[:, :-1].gather(-1, ids[:, 1:, None]).mean()))}
+    two_ahead = logp[:, :-1].gather(-1, ids[:, 2:, None])[..., 0]
+    return {"perplexity": math.exp(-float(_masked_mean(two_ahead, follows[:, :-1] & follows[:, 1:]))),
+            "kl_mean": float(_masked_mean(kl, follows)),
+            "agreement": float(_masked_mean((guesses == target[:, 1:].argmax(-1)).float(), follows)),
+            "target_perplexity": math.exp(-float(_masked_mean(target[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], follows)))}
 
 
 @torch.no_grad()
@@ -345,12 +371,12 @@ def plot_losses(losses: list[float], path: Path) -> None:
     plt.close(fig)
 
 
-def _text_ids(teacher: LLM, settings: DistillSettings) -> list[int]:
+def _text(teacher: LLM, settings: DistillSettings) -> Text:
     from kvserve.eval.text import load_text
 
     if settings.answers:
-        return answers(teacher, settings.answers, settings.seed)
-    return teacher.engine.tokenize(load_text(settings.text), add_special_tokens=False)
+        return answers(teacher, settings.answers, settings.seed, states=settings.eagle)
+    return Text(teacher.engine.tokenize(load_text(settings.text), add_special_tokens=False))
 
 
 TOPICS = ["the moon", "volcanoes", "honey bees", "the Roman Empire", "electric cars", "rainbows", "ocean tides", "a lost kitten",
@@ -377,20 +403,39 @@ TASKS = ["Write a short story about {}.", "Explain {} to a child.", "Tell me thr
          "Give me a short history of {}."]
 
 
-def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256) -> list[int]:
+def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: bool = False) -> Text:
     """Chat prompts on built-in topics with the target's answers, as token ids: the text a draft is asked to predict
     when it serves chat (on-policy distillation, as DistillSpec's). The first answer to each prompt is greedy; past
-    the prompts' number, each further round samples them (temperature 0.8, seeded), so no answer repeats."""
+    the prompts' number, each further round samples them (temperature 0.8, seeded), so no answer repeats.
+    With `states`, each answer's positions only (from its prompt's last token on), each with the hidden state the
+    target generated the next token from: the positions a feature draft guesses at."""
     prompts = [task.format(topic) for topic in TOPICS for task in TASKS]
     random.Random(seed).shuffle(prompts)
     chats = [teacher.engine.tokenize(teacher.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
              for p in prompts[:count]]
-    ids = []
-    for round_, first in enumerate(range(0, count, len(chats))):
-        params = SamplingParams(temperature=0.8 if round_ else 0, max_tokens=max_tokens, seed=seed + round_)
-        outs = teacher.generate(chats[:count - first], params, use_tqdm=False)
-        ids += [token for chat, out in zip(chats, outs) for token in chat + out.outputs[0].token_ids]
-    return ids
+    recorded: dict[str, list[torch.Tensor]] = {}
+
+    def record(seqs, features: torch.Tensor) -> None:
+        for seq, feature in zip(seqs, features):
+            recorded.setdefault(seq.request_id, []).append(feature)
+
+    stop = teacher.engine.observe_features(record) if states else None
+    ids, kept, starts = [], [], []
+    try:
+        for round_, first in enumerate(range(0, count, len(chats))):
+            params = SamplingParams(temperature=0.8 if round_ else 0, max_tokens=max_tokens, seed=seed + round_)
+            for chat, out in zip(chats, teacher.generate(chats[:count - first], params, use_tqdm=False)):
+                answer = out.outputs[0].token_ids
+                if states:
+                    ids += (chat + answer)[len(chat) - 1:-1]
+                    kept.append(torch.stack(recorded.pop(out.request_id)))
+                    starts += [True] + [False] * (len(answer) - 1)
+                else:
+                    ids += chat + answer
+    finally:
+        if stop is not None:
+            stop()
+    return Text(ids, torch.cat(kept), torch.tensor(starts)) if states else Text(ids)
 
 
 def _teacher_logprobs(teacher: LLM, windows: list[list[int]]) -> torch.Tensor:

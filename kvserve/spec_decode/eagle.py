@@ -119,7 +119,7 @@ class EagleProposer(Proposer):
         self.draft = draft.to(engine.runner.device)
         self.embed = target.embed
         self.fused, self.fused_rows = draft.fuse(self.head, target), min(m.kernel_rows for m in linears)
-        engine.runner.keep_features = True
+        engine.observe_features(self.observe)
 
     def observe(self, seqs: list[Sequence], features: torch.Tensor) -> None:
         for seq, feature in zip(seqs, features):

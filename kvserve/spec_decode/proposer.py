@@ -57,9 +57,6 @@ class Proposer:
         if self.shared_gate and self.shared.paused > 0:
             self.shared.paused -= 1
 
-    def observe(self, seqs: list, features) -> None:
-        """After a step whose runner keeps hidden states: each sampling sequence's one that gave its newest token."""
-
     def lookahead(self, seq) -> int:
         """How many tokens to guess for this sequence, or 0 while its gate is shut."""
         gate = self.shared if self.shared_gate else self.state(seq)
