@@ -226,8 +226,9 @@ class LLMEngine:
         for request_id in touched:  # measured while every completion still holds its blocks
             self.requests[request_id][0].metrics.kv_bytes = self.kv_manager.kv_bytes(self.requests[request_id])
         deltas = self.output.process(step)
-        for observe in self.feature_observers:
-            observe(step.seqs, step.features)
+        if step.features is not None:  # a step of swaps only has none
+            for observe in self.feature_observers:
+                observe(step.seqs, step.features)
         outputs = [self._request_output(request_id, deltas) for request_id in touched]
         if not self.config.use_kv_cache:
             self._drop_kv(batch)
