@@ -85,7 +85,7 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
     width = teacher.engine.checkpoint.config.intermediate_size
     if settings.mlp >= width and not settings.eagle:
         raise KVServeError(f"--mlp must be below the model's MLP width ({width}), got {settings.mlp}")
-    text = Text(token_ids) if token_ids is not None else _text(teacher, settings)
+    text = Text(token_ids) if token_ids is not None else _text(teacher, settings, progress)
     ids = text.ids
     held_out = settings.eval_windows * settings.seq_len
     if len(ids) < held_out + 2 * settings.seq_len:
@@ -371,11 +371,11 @@ def plot_losses(losses: list[float], path: Path) -> None:
     plt.close(fig)
 
 
-def _text(teacher: LLM, settings: DistillSettings) -> Text:
+def _text(teacher: LLM, settings: DistillSettings, progress: bool) -> Text:
     from kvserve.eval.text import load_text
 
     if settings.answers:
-        return answers(teacher, settings.answers, settings.seed, states=settings.eagle)
+        return answers(teacher, settings.answers, settings.seed, states=settings.eagle, progress=progress)
     return Text(teacher.engine.tokenize(load_text(settings.text), add_special_tokens=False))
 
 
@@ -403,7 +403,7 @@ TASKS = ["Write a short story about {}.", "Explain {} to a child.", "Tell me thr
          "Give me a short history of {}."]
 
 
-def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: bool = False) -> Text:
+def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: bool = False, progress: bool = False) -> Text:
     """Chat prompts on built-in topics with the target's answers, as token ids: the text a draft is asked to predict
     when it serves chat (on-policy distillation, as DistillSpec's). The first answer to each prompt is greedy; past
     the prompts' number, each further round samples them (temperature 0.8, seeded), so no answer repeats.
@@ -424,7 +424,7 @@ def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: 
     try:
         for round_, first in enumerate(range(0, count, len(chats))):
             params = SamplingParams(temperature=0.8 if round_ else 0, max_tokens=max_tokens, seed=seed + round_)
-            for chat, out in zip(chats, teacher.generate(chats[:count - first], params, use_tqdm=False)):
+            for chat, out in zip(chats, teacher.generate(chats[:count - first], params, use_tqdm=progress)):
                 answer = out.outputs[0].token_ids
                 if states:
                     ids += (chat + answer)[len(chat) - 1:-1]
