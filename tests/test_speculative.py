@@ -563,7 +563,14 @@ def test_distill_answers_with_states_are_the_states_that_generated_them(smollm2)
     assert all(" ".join(map(str, s[1:])) in " ".join(map(str, plain)) for s in stretches)  # the same greedy answers
     tokens = smollm2.engine.runner.model.compute_logits(text.states).argmax(-1).tolist()
     assert [t for i, t in enumerate(tokens[:-1]) if not text.starts[i + 1]] == [t for i, t in enumerate(text.ids[1:]) if not text.starts[i + 1]]
-    assert not smollm2.engine.feature_observers and not smollm2.engine.runner.keep_features
+    assert not smollm2.engine.feature_observers
+    runner, steps = smollm2.engine.runner, []
+    runner.execute = lambda batch, execute=runner.execute, **kw: steps.append(execute(batch, **kw)) or steps[-1]
+    try:
+        smollm2.generate([chat], greedy(2), use_tqdm=False)
+    finally:
+        del runner.execute
+    assert steps and all(step.features is None for step in steps)  # no step keeps hidden states any more
 
 
 def test_feature_loss_leaves_out_pairs_across_answers():

@@ -186,12 +186,7 @@ class LLMEngine:
         """After every step, callback(seqs, features): each sampling sequence's final hidden state [hidden] that gave
         its newest token (a feature draft reads them; distillation records them). Returns what stops it."""
         self.feature_observers.append(callback)
-        self.runner.keep_features = True
-
-        def stop() -> None:
-            self.feature_observers.remove(callback)
-            self.runner.keep_features = bool(self.feature_observers)
-        return stop
+        return lambda: self.feature_observers.remove(callback)
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):
@@ -211,7 +206,7 @@ class LLMEngine:
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests pending"
             return []
         started = time.perf_counter()
-        step = self.runner.execute(batch)
+        step = self.runner.execute(batch, keep_features=bool(self.feature_observers))
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
         self.output.record_computed(batch, self._verified(step))

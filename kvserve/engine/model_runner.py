@@ -77,13 +77,13 @@ class ModelRunner:
         if self.native:
             self.backend.stack_layers(list(self.model.layers))
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
-        self.keep_features = False  # a feature draft reads the final hidden states (spec_decode/eagle.py)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def execute(self, batch: ScheduledBatch, keep_features: bool = False) -> StepOutput:
         """Move blocks, then run the batch and sample: a prompt's waiting completions sample from its logits too,
         in the step that finishes it; a sequence with guesses samples at each of them and keeps the guesses its
-        samples confirm, plus its next sample."""
+        samples confirm, plus its next sample. `keep_features`: the output holds the final hidden states too (a
+        feature draft reads them)."""
         self.move_blocks(batch)
         if not batch.seqs:
             return StepOutput([], [], [], None)
@@ -113,7 +113,7 @@ class ModelRunner:
             output.tokens.append(tokens)
             output.rows.append(list(range(at, at + len(tokens))))
             at += len(guesses) + 1
-        if self.keep_features:  # the logits row of each sequence's last new token
+        if keep_features:  # the logits row of each sequence's last new token
             output.features = selected[[rows[sampled_rows[-1]][1] for sampled_rows in output.rows]]
         if inputs.prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[torch.cat([index for _, index, _ in inputs.prompt_rows])]).cpu()
