@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -605,6 +606,24 @@ def test_distill_answers_past_the_prompts_are_sampled_rounds(smollm2, monkeypatc
     assert len(rounds) == 3  # one prompt, answered three times
     assert rounds[0] == smollm2.generate([chat], greedy(12), use_tqdm=False)[0].outputs[0].token_ids[:len(rounds[0])]
     assert len({tuple(r) for r in rounds}) == 3  # the sampled rounds differ from the greedy one and from each other
+
+
+def test_distill_prompts_are_distinct_and_not_the_benchmarks():
+    """--answers N up to the prompts' number are N greedy answers to N different prompts, none on a topic of the
+    benchmark's open generation."""
+    import importlib.util
+    from pathlib import Path
+
+    from kvserve.spec_decode.distill import TASKS, TOPICS
+
+    spec = importlib.util.spec_from_file_location("bench_speculative", Path(__file__).parents[1] / "bench" / "speculative.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompts = [task.format(topic) for topic in TOPICS for task in TASKS]
+    assert len(set(prompts)) == len(prompts) == 4312
+    assert not set(bench.OPEN) & set(prompts)
+    open_text = " ".join(bench.OPEN).lower()
+    assert not [topic for topic in TOPICS if re.search(rf"\b{topic.lower().removeprefix('the ').removeprefix('a ')}\b", open_text)]
 
 
 def test_no_guesses_in_a_step_of_more_than_max_batch_decodes(tiny_model_dir):

@@ -359,7 +359,7 @@ def _add_distill_parser(sub) -> None:
     di.add_argument("--temperature", type=float, default=d.temperature, help="softens both distributions in the KL loss")
     di.add_argument("--text", default=None, help="a text file (default: Python's own documentation, pydoc_data.topics)")
     di.add_argument("--answers", type=int, default=d.answers, metavar="N",
-                    help="distill on the model's own answers to N built-in chat prompts (1,200; greedy, then sampled rounds) instead of a text")
+                    help="distill on the model's own answers to N built-in chat prompts (4,312; greedy, then sampled rounds) instead of a text")
     di.add_argument("--vocab", type=int, default=d.vocab, help="tokens the draft's LM head covers (0: all)")
     di.add_argument("--seed", type=int, default=d.seed)
     di.add_argument("--json", action="store_true")

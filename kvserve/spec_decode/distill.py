@@ -396,11 +396,26 @@ TOPICS = ["the moon", "volcanoes", "honey bees", "the Roman Empire", "electric c
           "glaciers", "the alphabet", "a beekeeper", "the speed of light", "a rainy afternoon", "mushrooms", "democracy",
           "a broken clock", "the Great Barrier Reef", "kindness", "a circus", "comets", "the ancient Greeks", "a farm",
           "electricity", "a grandmother's recipe", "owls", "the Sahara", "a school trip", "bridges", "the violin",
-          "a mysterious letter", "penguins", "languages", "the Aztecs", "a wind farm", "the postal service"]
+          "a mysterious letter", "penguins", "languages", "the Aztecs", "a wind farm", "the postal service",
+          "a lighthouse in a storm", "fireflies", "the Mayans", "a lost astronaut", "cheese", "hurricanes", "the rain forest floor",
+          "a street musician", "submarines", "the ancient Romans' roads", "a secret garden", "nuclear energy", "ants", "a haunted house",
+          "the solar system", "a chess prodigy", "wind", "the Pyramids", "a baker's apprentice", "the human eye", "tigers",
+          "a tiny village", "the Wright brothers", "sharks", "an abandoned castle", "pizza", "satellites", "a kind stranger",
+          "the Great Depression", "fungi", "a music box", "trains", "the ozone layer", "a knight", "deserts at night",
+          "the Mona Lisa", "a flood", "bees and flowers", "a lonely robot", "the Moon's phases", "a mountain village",
+          "the Middle Ages", "frogs", "a cookbook", "the heart of a city", "fossils", "a gardener", "the first telephone",
+          "polar bears", "a magic carpet", "the Arctic", "an ant colony", "medieval castles", "a runaway balloon", "salt",
+          "the compass", "a busy airport", "sunflowers", "a retired sailor", "the microscope", "a football match", "lightning",
+          "the Titanic", "a family dinner", "jellyfish", "the Colosseum", "a street market", "cats", "dogs", "a long winter",
+          "the first vaccine", "a lost wallet", "kites", "the rainbow serpent", "a quiet library", "tornadoes"]
 TASKS = ["Write a short story about {}.", "Explain {} to a child.", "Tell me three interesting facts about {}.",
          "Write a short poem about {}.", "What should everyone know about {}?", "Describe {} in a few paragraphs.",
          "Write a letter to a friend about {}.", "What are the pros and cons of {}?", "Write a dialogue about {}.",
-         "Give me a short history of {}."]
+         "Give me a short history of {}.", "How does {} work?", "Why is {} important?", "Write a news report about {}.",
+         "Write a diary entry about {}.", "Summarize what you know about {} in five sentences.", "Write a speech about {}.",
+         "Write a funny story about {}.", "Teach me something surprising about {}.", "Write a song about {}.",
+         "Give me five questions and answers about {}.", "What would the world be like without {}?",
+         "Write a fairy tale about {}."]
 
 
 def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: bool = False, progress: bool = False) -> Text:
