@@ -418,13 +418,18 @@ TASKS = ["Write a short story about {}.", "Explain {} to a child.", "Tell me thr
          "Write a fairy tale about {}."]
 
 
+def chat_prompts() -> list[str]:
+    """The built-in chat prompts `answers` asks: each task on each topic."""
+    return [task.format(topic) for topic in TOPICS for task in TASKS]
+
+
 def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: bool = False, progress: bool = False) -> Text:
     """Chat prompts on built-in topics with the target's answers, as token ids: the text a draft is asked to predict
     when it serves chat (on-policy distillation, as DistillSpec's). The first answer to each prompt is greedy; past
     the prompts' number, each further round samples them (temperature 0.8, seeded), so no answer repeats.
     With `states`, each answer's positions only (from its prompt's last token on), each with the hidden state the
     target generated the next token from: the positions a feature draft guesses at."""
-    prompts = [task.format(topic) for topic in TOPICS for task in TASKS]
+    prompts = chat_prompts()
     random.Random(seed).shuffle(prompts)
     chats = [teacher.engine.tokenize(teacher.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
              for p in prompts[:count]]
