@@ -71,6 +71,21 @@ def test_packed_weights_dequantize_to_the_gguf_packages_values(qtype, isa):
         assert torch.equal(native_ops().gguf_dequantize(w, int(qtype), cols, torch.bfloat16), values.bfloat16()), cols
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_selected_rows_are_those_rows(qtype, isa):
+    """Rows picked out of panels and out of the rows past them (an embedding lookup, a draft's vocabulary) come out
+    packed as rows of their own: the same values, and the same products."""
+    cols = _widths(qtype)[-1]
+    w, values = packed(qtype, 45, cols, seed=3)  # two panels of 16 rows, then 13
+    for ids in ([44, 0, 17, 33, 5], list(range(44, -1, -2)), list(range(45))):
+        rows = native_ops().gguf_select(w, torch.tensor(ids), int(qtype), cols)
+        assert torch.equal(native_ops().gguf_dequantize(rows, int(qtype), cols, torch.float32), values[ids])
+        x = torch.randn(3, cols)
+        assert torch.equal(native_ops().gguf_matmul(x, rows, int(qtype), True), native_ops().gguf_matmul(x, w, int(qtype), True)[:, ids])
+    with pytest.raises(RuntimeError, match="row 45 is past 45 rows"):
+        native_ops().gguf_select(w, torch.tensor([45]), int(qtype), cols)
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matmul_equals_dequantized_fp32(qtype, int8, isa):

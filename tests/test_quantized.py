@@ -36,18 +36,19 @@ def test_quantized_linear_uses_the_kernels_for_few_rows_and_tiles_for_many(monke
 
 
 def test_quantized_weight_parts_of_different_types_concatenate():
-    """A fused projection whose parts the file stores in different types (Gemma 3's q/k Q5_0 and v Q8_0)."""
-    parts = [(T.Q5_0, 24), (T.Q5_0, 8), (T.Q8_0, 8)]
+    """A fused projection whose parts the file stores in different types (Gemma 3's q/k Q5_0 and v Q8_0). Parts of a
+    type merge where the first is whole panels of 16 rows (kernels/quants.h), else its last rows stay a part's tail."""
+    parts = [(T.Q5_0, 32), (T.Q5_0, 16), (T.Q8_0, 8), (T.Q8_0, 8)]
     blocks = [random_blocks(t, n, 64, seed=i) for i, (t, n) in enumerate(parts)]
     weight = QuantizedWeight.cat([QuantizedWeight.pack(GGUFTensor(torch.from_numpy(b), t.name, (n, 64)))
                                   for b, (t, n) in zip(blocks, parts)])
-    assert weight.types == ["Q5_0", "Q8_0"] and weight.out_features == 40
+    assert weight.types == ["Q5_0", "Q8_0", "Q8_0"] and weight.out_features == 64
     values = torch.cat([torch.from_numpy(gguf.quants.dequantize(b, t).astype(np.float32)) for b, (t, _) in zip(blocks, parts)])
     x = torch.randn(3, 64)
     torch.testing.assert_close(weight.matmul(x, False), x @ values.T, rtol=1e-5, atol=1e-4)
     assert torch.equal(weight.dequantize(), values)
-    ids = torch.tensor([[3, 0], [39, 3]])
-    with pytest.raises(ValueError):  # an embedding is one type
+    ids = torch.tensor([[3, 0], [63, 3]])
+    with pytest.raises(ValueError):  # an embedding is one part
         weight.rows(ids)
 
 

@@ -350,7 +350,7 @@ struct FeatureDraft : torch::CustomClassHolder {
             for (int64_t b = 0; b < B; ++b) {
                 const int64_t token = step == 0 ? first.data_ptr<int64_t>()[b] : guess[b * k + step - 1];
                 TORCH_CHECK(token >= 0 && token < embed.size(0), "token id ", token, " is past the embedding's ", embed.size(0), " rows");
-                kvq::dequantize_f32(int(embed_type), embed.data_ptr<uint8_t>() + token * rows.row_bytes, rows, 0, 1, in.data() + b * 2 * H);
+                kvq::dequantize_f32(int(embed_type), embed.data_ptr<uint8_t>(), rows, embed.size(0), token, token + 1, in.data() + b * 2 * H);
             }
             fc.apply(in.data(), B, 2 * H, int8, x.data());
             mlp_rows(x.data(), B, H, norm, eps, gate_up, down, int8, false, RowNorm{});

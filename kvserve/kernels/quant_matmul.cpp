@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "quants.h"
@@ -22,10 +23,10 @@
 
 namespace kvq {
 bool avx512_supported();
-void matmul_rows_avx512(int type, const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t n0, int64_t n1,
-                        float* out, int64_t ldo);
-void dequantize_rows_avx512(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, float* out);
-void dequantize_rows_avx512(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, uint16_t* out);
+void matmul_panels_avx512(int type, const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t p0, int64_t p1,
+                          float* out, int64_t ldo);
+void dequantize_panel_avx512(int type, const uint8_t* w, const Layout& L, float* out);
+void dequantize_panel_avx512(int type, const uint8_t* w, const Layout& L, uint16_t* out);
 bool avx512_enabled();
 }  // namespace kvq
 
@@ -128,20 +129,93 @@ void pack_row(int type, const uint8_t* raw, uint8_t* dst, const Layout& L) {
     }
 }
 
+// ---- panels ----
+
+// Moves row l of a panel into a row-format row (TO_PANEL false: `panel` is only read) or from one into the panel
+// (which starts zeroed): every plane, lane by lane.
+template <bool TO_PANEL>
+void lane_io(int type, const Layout& L, uint8_t* panel, int64_t l, uint8_t* row) {
+    const Info t = info(type);
+    const auto move = [](uint8_t* in_panel, uint8_t* in_row, int n) {
+        if constexpr (TO_PANEL) std::memcpy(in_panel, in_row, n);
+        else std::memcpy(in_row, in_panel, n);
+    };
+    for (int64_t u = 0; u < L.units; ++u) {
+        uint8_t* p = panel + L.unit_at(u);
+        for (int j = 0; j < (t.bits == 8 ? 8 : 4); ++j) {
+            int64_t at = L.codes + 16 * u + 4 * j, lo, hi;
+            if (t.bits == 8) q8_halves(L, u, &lo, &hi), at = j < 4 ? lo + 4 * j : hi + 4 * (j - 4);
+            move(p + 64 * j + 4 * l, row + at, 4);
+        }
+        for (int plane = 0; plane < (t.bits == 6 ? 2 : t.bits == 5 ? 1 : 0); ++plane) {
+            uint8_t* masks = p + (plane ? L.p_hi2 : L.p_hi1);
+            uint8_t* bits_at = row + (plane ? L.hi2 : L.hi1);
+            // nibble j of the unit's 32 bits (weights 4j..4j+3) is lane l's in vector j % 4's low (j < 4) or high mask
+            uint32_t bits = TO_PANEL ? unit_bits(bits_at, u) : 0;
+            for (int j = 0; j < 8; ++j) {
+                uint8_t* mask = masks + 16 * (j % 4) + 8 * (j / 4);
+                if constexpr (TO_PANEL) {
+                    const uint64_t m = load64(mask) | (uint64_t((bits >> (4 * j)) & 0xF) << (4 * l));
+                    std::memcpy(mask, &m, 8);
+                } else {
+                    bits |= static_cast<uint32_t>((load64(mask) >> (4 * l)) & 0xF) << (4 * j);
+                }
+            }
+            if constexpr (!TO_PANEL) set_unit_bits(bits_at, u, bits);
+        }
+        if (!t.kquant) {
+            move(p + L.p_scales + 2 * l, row + L.scales + 2 * u, 2);
+            if (t.min) move(p + L.p_mins + 2 * l, row + L.mins + 2 * u, 2);
+        } else if (t.per16) {
+            move(p + L.p_scales + l, row + L.scales + 2 * u, 1);
+            move(p + L.p_scales + 16 + l, row + L.scales + 2 * u + 1, 1);
+        } else {
+            move(p + L.p_scales + l, row + L.scales + u, 1);
+            move(p + L.p_mins + l, row + L.mins + u, 1);
+        }
+        if (t.kquant && u % 8 == 0) {
+            move(p - L.header + 2 * l, row + L.super_scales + 2 * (u / 8), 2);
+            if (t.min) move(p - L.header + 32 + 2 * l, row + L.super_mins + 2 * (u / 8), 2);
+        }
+    }
+}
+
+// Row n of a packed tensor of N rows in the row format: in place past the panels, else copied out of its panel into tmp.
+const uint8_t* row_at(int type, const uint8_t* w, const Layout& L, int64_t N, int64_t n, uint8_t* tmp) {
+    if (n >= N / PANEL * PANEL) return w + n * L.row_bytes;
+    lane_io<false>(type, L, const_cast<uint8_t*>(w) + n / PANEL * L.panel_bytes(), n % PANEL, tmp);
+    return tmp;
+}
+
+// Row-format rows (rows(i) for i < N) as a packed tensor of N rows at `out` (zeroed).
+template <typename Rows>
+void to_panels(int type, const Layout& L, int64_t N, Rows&& rows, uint8_t* out) {
+    const int64_t panels = N / PANEL;
+    at::parallel_for(0, panels + 1, 1, [&](int64_t begin, int64_t end) {
+        std::vector<uint8_t> tmp(L.row_bytes);
+        for (int64_t p = begin; p < end; ++p)
+            for (int64_t n = p * PANEL; n < std::min(N, (p + 1) * PANEL); ++n) {
+                if (p == panels) std::memcpy(out + n * L.row_bytes, rows(n, tmp.data()), L.row_bytes);
+                else lane_io<true>(type, L, out + p * L.panel_bytes(), n % PANEL, const_cast<uint8_t*>(rows(n, tmp.data())));
+            }
+    });
+}
+
 // ---- dequantizing ----
 
 inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
 
-inline void store8(at::BFloat16* out, __m256 v) {  // round to nearest even, as torch's .to(bfloat16)
+inline __m128i to_bf16(__m256 v) {  // round to nearest even, as torch's .to(bfloat16)
     const __m256i bits = _mm256_castps_si256(v);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-// A row's values as fp32 or bf16: s * (c - o), plus m where the type has one (the gguf package's arithmetic: a
-// multiply, then an add, never fused, so the values are bit for bit the package's).
+inline void store8(at::BFloat16* out, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(out), to_bf16(v)); }
+
+// A row-format row's values as fp32 or bf16: s * (c - o), plus m where the type has one (the gguf package's
+// arithmetic: a multiply, then an add, never fused, so the values are bit for bit the package's).
 template <int TYPE, typename T>
 void dequantize_row(const uint8_t* row, const Layout& L, T* out) {
     constexpr bool min = info(TYPE).min;
@@ -158,201 +232,256 @@ void dequantize_row(const uint8_t* row, const Layout& L, T* out) {
     }
 }
 
-template <typename T>
-void dequantize_rows(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, T* out) {
-    with_type(type, [&]<int TYPE>() {
-        for (int64_t n = n0; n < n1; ++n) dequantize_row<TYPE>(w + n * L.row_bytes, L, out + n * L.K);
-    });
-}
-
 // ---- activations ----
 
-// Rows of x quantized per 32 values and laid out as the int8 kernels read them (kvq::Activations).
+// Rows of x quantized per 32 values as the int8 kernels read them (kvq::Activations).
 struct Prepared {
-    std::vector<int8_t> xa, xb;
-    std::vector<float> xs, xm, xsum;
-    std::vector<int32_t> corr, corr_b;
+    std::vector<int8_t> q;
+    std::vector<float> xs, xsum;
+    std::vector<int32_t> corr_lo, corr_hi;
 
-    Activations view(int64_t rows) const {
-        return {xa.data(), xb.data(), xs.data(), corr.data(), corr_b.data(), xm.data(), xsum.data(), rows};
-    }
+    Activations view(int64_t units) const { return {q.data(), xs.data(), xsum.data(), corr_lo.data(), corr_hi.data(), units}; }
 };
 
 void quantize_activations(int type, const float* x, int64_t M, int64_t K, Prepared& p) {
-    const Info t = info(type);
-    const int64_t units = K / 32, groups = (units + 3) / 4, n = M * groups;
-    const bool lane_mins = t.min && t.kquant;  // xm: only the K-quants' min term reads it
-    p.xa.assign(64 * n, 0), p.xb.assign(64 * n, 0), p.xs.assign(16 * n, 0.0f), p.xm.assign(lane_mins ? 16 * n : 0, 0.0f);
-    p.xsum.assign(16 * M * ((units + 15) / 16), 0.0f);
-    p.corr.assign(16 * n, 0), p.corr_b.assign(t.per16 ? 16 * n : 0, 0);
-    const Activations view = p.view(M);
-    for (int64_t r = 0; r < M; ++r) {
-        for (int64_t u = 0; u < units; ++u) {
-            const float* xu = x + r * K + 32 * u;
-            __m256 amax = _mm256_setzero_ps();
-            const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-            for (int i = 0; i < 4; ++i) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xu + 8 * i), abs_mask));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            const float scale = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f;
-            const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-            int32_t q[32];
-            for (int i = 0; i < 4; ++i) {  // round half to even, as std::nearbyint and torch.round
-                const __m256 y = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xu + 8 * i), _mm256_set1_ps(inv)),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i), _mm256_cvtps_epi32(y));
-            }
-            const int64_t i = (u / 4) * M + r, p4 = u % 4;  // group-major (Activations::at)
-            int32_t total = 0;
-            for (int l = 0; l < 4; ++l) {
-                int32_t sa = 0, sb = 0;
-                for (int j = 4 * l; j < 4 * l + 4; ++j) {
-                    p.xa[64 * i + 16 * p4 + j] = static_cast<int8_t>(q[j]), sa += q[j];
-                    p.xb[64 * i + 16 * p4 + j] = static_cast<int8_t>(q[j + 16]), sb += q[j + 16];
-                }
-                p.xs[16 * i + 4 * p4 + l] = scale;
-                if (lane_mins) p.xm[16 * i + 4 * p4 + l] = scale * float(sa + sb);
-                p.corr[16 * i + 4 * p4 + l] = t.offset * (t.per16 ? sa : sa + sb);
-                if (t.per16) p.corr_b[16 * i + 4 * p4 + l] = t.offset * sb;
-                total += sa + sb;
-            }
-            p.xsum[view.unit_at(u, r)] = scale * float(total);
+    const int offset = info(type).offset;
+    const int64_t n = M * (K / 32);  // entry i: x + 32 * i
+    p.q.resize(32 * n), p.xs.resize(n), p.xsum.resize(n), p.corr_lo.resize(n), p.corr_hi.resize(n);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t i = 0; i < n; ++i) {
+        const float* xu = x + 32 * i;
+        __m256 amax = _mm256_setzero_ps();
+        for (int k = 0; k < 4; ++k) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xu + 8 * k), abs_mask));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float scale = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f;
+        const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        int32_t q[32];
+        for (int k = 0; k < 4; ++k) {  // round half to even, as std::nearbyint and torch.round
+            const __m256 y = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xu + 8 * k), _mm256_set1_ps(inv)),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * k), _mm256_cvtps_epi32(y));
         }
+        int32_t lo = 0, hi = 0;
+        for (int j = 0; j < 16; ++j) {
+            p.q[32 * i + j] = static_cast<int8_t>(q[j]), lo += q[j];
+            p.q[32 * i + 16 + j] = static_cast<int8_t>(q[16 + j]), hi += q[16 + j];
+        }
+        p.xs[i] = scale, p.xsum[i] = scale * float(lo + hi), p.corr_lo[i] = offset * lo, p.corr_hi[i] = offset * hi;
     }
 }
 
-// ---- AVX2 kernels: one weight row against R activation rows ----
-
-inline __m256i load_bytes(const uint8_t* p, int valid) {  // 32 bytes, or 16 and zeros
-    return valid == 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                       : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+// ---- AVX2 kernels ----
 
 // Integer dot products of unsigned codes with int8 activations, 4 bytes per int32 lane.
 inline __m256i dot_lanes(__m256i codes, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
 }
 
-// Half h of group g: two units' low-half and high-half codes, 32 bytes each (unit 2h in the first 16).
-template <int TYPE>
-inline void half_codes(const uint8_t* w, const Layout& L, int64_t g, int h, int units, __m256i* lo, __m256i* hi) {
-    constexpr Info t = info(TYPE);
-    const int valid = 16 * units;
-    if constexpr (t.bits == 8) {
-        const int64_t n = std::min<int64_t>(4, L.units - 4 * g);
-        *lo = load_bytes(w + L.codes + 128 * g + 32 * h, valid);
-        *hi = load_bytes(w + L.codes + 128 * g + 16 * n + 32 * h, valid);
-        return;
-    }
-    const __m256i b = load_bytes(w + L.codes + 64 * g + 32 * h, valid), mask = _mm256_set1_epi8(0x0F);
-    *lo = _mm256_and_si256(b, mask), *hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-    for (int plane = 0; plane < (t.bits == 6 ? 2 : t.bits == 5 ? 1 : 0); ++plane) {
-        const uint8_t* at = w + (plane ? L.hi2 : L.hi1) + 16 * g;
-        const __m256i bit = _mm256_set1_epi8(static_cast<char>(16 << plane));
-        *lo = _mm256_or_si256(*lo, _mm256_and_si256(bytes_from_bits(static_cast<uint32_t>(load64(at) >> (32 * h))), bit));
-        *hi = _mm256_or_si256(*hi, _mm256_and_si256(bytes_from_bits(static_cast<uint32_t>(load64(at + 8) >> (32 * h))), bit));
-    }
-}
+inline __m256i load32b(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// The first `bytes` (even, at most 8) bytes at p, zeros after them, without reading past them (nor a memcpy call).
-inline uint64_t load_upto8(const uint8_t* p, int bytes) {
-    if (bytes == 8) return load64(p);
-    uint64_t v = 0;
-    if (bytes & 4) {
-        uint32_t x;
-        std::memcpy(&x, p, 4);
-        v = x;
-    }
-    if (bytes & 2) {
-        uint16_t x;
-        std::memcpy(&x, p + (bytes & 4), 2);
-        v |= uint64_t(x) << (8 * (bytes & 4));
-    }
+inline int32_t load32(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
     return v;
 }
 
-// The same for up to 16 bytes.
-inline __m128i load_upto16(const uint8_t* p, int bytes) {
-    if (bytes == 16) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return bytes <= 8 ? _mm_cvtsi64_si128(static_cast<int64_t>(load_upto8(p, bytes)))
-                      : _mm_set_epi64x(static_cast<int64_t>(load_upto8(p + 8, bytes - 8)), static_cast<int64_t>(load64(p)));
-}
-
-// The scales of a group's n units, one vector load and conversion for all: lane p holds unit p's scale (Q6_K:
-// lanes 2p and 2p + 1 hold its low and high halves' scales).
+// Lanes 8h..8h+7 of a panel unit's code vector j: the codes of weights 4j.. (lo) and 16 + 4j.. (hi; 8-bit: vector j + 4).
 template <int TYPE>
-inline __m256 group_scales(const uint8_t* w, const Layout& L, int64_t g, int n) {
+inline void half_vector(const uint8_t* p, const Layout& L, int j, int h, __m256i* lo, __m256i* hi) {
     constexpr Info t = info(TYPE);
-    if constexpr (!t.kquant) {
-        return _mm256_castps128_ps256(_mm_cvtph_ps(load_upto16(w + L.scales + 8 * g, 2 * n)));
-    } else {  // K-quants' groups are whole: K is whole blocks of 256
-        const __m256 d = _mm256_set1_ps(fp16(w + L.super_scales + 2 * (g / 2)));
-        if constexpr (t.per16) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_upto16(w + L.scales + 8 * g, 8))));
-        return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load_upto16(w + L.scales + 4 * g, 4))));
+    if constexpr (t.bits == 8) {
+        *lo = load32b(p + 64 * j + 32 * h), *hi = load32b(p + 64 * (j + 4) + 32 * h);
+        return;
+    }
+    const __m256i c = load32b(p + 64 * j + 32 * h), mask = _mm256_set1_epi8(0x0F);
+    *lo = _mm256_and_si256(c, mask), *hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+    for (int plane = 0; plane < (t.bits == 6 ? 2 : t.bits == 5 ? 1 : 0); ++plane) {
+        const uint8_t* m = p + (plane ? L.p_hi2 : L.p_hi1) + 16 * j;
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(16 << plane));
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(bytes_from_bits(static_cast<uint32_t>(load64(m) >> (32 * h))), bit));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(bytes_from_bits(static_cast<uint32_t>(load64(m + 8) >> (32 * h))), bit));
     }
 }
 
-// Lanes 0-3 of the result from lane i of v, lanes 4-7 from lane j.
-inline __m256 pair_lanes(__m256 v, int i, int j) {
-    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(i, i, i, i, j, j, j, j));
+inline __m256 bytes_to_ps(const uint8_t* p, bool is_signed) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 }
 
-template <int TYPE, int R>
-void rows_int8_avx2(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, float* out, int64_t ldo) {
+inline __m256 halves_to_ps(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Lanes 8h..8h+7 of a panel unit's scales (low and high 16 weights) and min: w = s * (c - o) + m.
+struct Scales8 {
+    __m256 lo, hi, min;
+};
+
+// A K-quant block's d and dmin, read at its first unit (p).
+template <int TYPE>
+inline void block_scales(const uint8_t* p, const Layout& L, int h, __m256* d, __m256* dmin) {
+    *d = halves_to_ps(p - L.header + 16 * h);
+    if constexpr (info(TYPE).min) *dmin = halves_to_ps(p - L.header + 32 + 16 * h);
+}
+
+template <int TYPE>
+inline Scales8 unit_scales(const uint8_t* p, const Layout& L, int h, __m256 d, __m256 dmin) {
     constexpr Info t = info(TYPE);
-    __m256 acc[R];
-    __m128 acc_min[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), acc_min[r] = _mm_setzero_ps();
-    for (int64_t g = 0; g < L.groups; ++g) {
-        const int n = static_cast<int>(std::min<int64_t>(4, L.units - 4 * g));
-        const __m256 scales = group_scales<TYPE>(w, L, g, n);
-        for (int h = 0; h < 2 && 2 * h < n; ++h) {
-            const int units = std::min(2, n - 2 * h);
+    Scales8 s{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    if constexpr (!t.kquant) {
+        s.lo = s.hi = halves_to_ps(p + L.p_scales + 16 * h);
+        if constexpr (t.min) s.min = halves_to_ps(p + L.p_mins + 16 * h);
+    } else {
+        s.lo = _mm256_mul_ps(d, bytes_to_ps(p + L.p_scales + 8 * h, t.per16));
+        s.hi = t.per16 ? _mm256_mul_ps(d, bytes_to_ps(p + L.p_scales + 16 + 8 * h, true)) : s.lo;
+        if constexpr (t.min) s.min = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin), bytes_to_ps(p + L.p_mins + 8 * h, false));
+    }
+    return s;
+}
+
+// Lanes 8h..8h+7 of a panel (its rows 8h..8h+7) against R activation rows: out[r * ldo + 8h + lane].
+template <int TYPE, int R>
+void panel_int8_avx2(const uint8_t* panel, const Layout& L, const Activations& a, int64_t r0, int h, float* out, int64_t ldo) {
+    constexpr Info t = info(TYPE);
+    __m256 acc[R], d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < L.units; ++u) {
+        const uint8_t* p = panel + L.unit_at(u);
+        for (int64_t b = 0; b < L.unit_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD + b), _MM_HINT_T0);
+        if (t.kquant && u % 8 == 0) block_scales<TYPE>(p, L, h, &d, &dmin);
+        __m256i dl[R], dh[R];
+        for (int r = 0; r < R; ++r) dl[r] = dh[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
             __m256i lo, hi;
-            half_codes<TYPE>(w, L, g, h, units, &lo, &hi);
-            const __m256 s_lo = t.per16 ? pair_lanes(scales, 4 * h, 4 * h + 2) : pair_lanes(scales, 2 * h, 2 * h + 1);
-            const __m256 s_hi = t.per16 ? pair_lanes(scales, 4 * h + 1, 4 * h + 3) : s_lo;
+            half_vector<TYPE>(p, L, j, h, &lo, &hi);
             for (int r = 0; r < R; ++r) {
-                const int64_t i = a.at(g, r0 + r);
-                const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xa + 64 * i + 32 * h));
-                const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xb + 64 * i + 32 * h));
-                const __m256 xs = _mm256_loadu_ps(a.xs + 16 * i + 8 * h);
-                const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr + 16 * i + 8 * h));
+                const int8_t* x = a.q + 32 * a.at(r0 + r, u);
+                const __m256i xl = _mm256_set1_epi32(load32(x + 4 * j)), xh = _mm256_set1_epi32(load32(x + 16 + 4 * j));
                 if constexpr (t.bits == 8) {  // maddubs would saturate at 255 * 127 * 2: signed weights, |w| * sign(x, w)
                     const __m256i wl = _mm256_xor_si256(lo, _mm256_set1_epi8(static_cast<char>(0x80)));
                     const __m256i wh = _mm256_xor_si256(hi, _mm256_set1_epi8(static_cast<char>(0x80)));
-                    const __m256i d = _mm256_add_epi32(dot_lanes(_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(xa, wl)),
-                                                       dot_lanes(_mm256_sign_epi8(wh, wh), _mm256_sign_epi8(xb, wh)));
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s_lo, xs), acc[r]);
+                    dl[r] = _mm256_add_epi32(dl[r], dot_lanes(_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(xl, wl)));
+                    dh[r] = _mm256_add_epi32(dh[r], dot_lanes(_mm256_sign_epi8(wh, wh), _mm256_sign_epi8(xh, wh)));
                 } else if constexpr (t.per16) {
-                    const __m256i corr_b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr_b + 16 * i + 8 * h));
-                    const __m256i dl = _mm256_sub_epi32(dot_lanes(lo, xa), corr);
-                    const __m256i dh = _mm256_sub_epi32(dot_lanes(hi, xb), corr_b);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl), _mm256_mul_ps(s_lo, xs), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), _mm256_mul_ps(s_hi, xs), acc[r]);
+                    dl[r] = _mm256_add_epi32(dl[r], dot_lanes(lo, xl)), dh[r] = _mm256_add_epi32(dh[r], dot_lanes(hi, xh));
                 } else {  // 4- and 5-bit codes: both halves' int16 pairs add without overflow
-                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
-                    __m256i d = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-                    if constexpr (t.offset != 0) d = _mm256_sub_epi32(d, corr);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s_lo, xs), acc[r]);
+                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+                    dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
                 }
             }
         }
-        if constexpr (t.min && t.kquant) {  // each unit's min times its sum of x: m = -dmin * mc
-            const __m128 m = _mm_mul_ps(_mm_set1_ps(-fp16(w + L.super_mins + 2 * (g / 2))),
-                                        _mm_cvtepi32_ps(_mm_cvtepu8_epi32(load_upto16(w + L.mins + 4 * g, 4))));
-            for (int r = 0; r < R; ++r) acc_min[r] = _mm_fmadd_ps(m, _mm_loadu_ps(a.xsum + a.unit_at(4 * g, r0 + r)), acc_min[r]);
+        const Scales8 sc = unit_scales<TYPE>(p, L, h, d, dmin);
+        const __m256 s_lo = sc.lo, s_hi = sc.hi, m = sc.min;
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = a.at(r0 + r, u);
+            const __m256 xs = _mm256_set1_ps(a.xs[i]);
+            if constexpr (t.bits == 8) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dl[r], dh[r])), _mm256_mul_ps(s_lo, xs), acc[r]);
+            } else if constexpr (t.per16) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dl[r], _mm256_set1_epi32(a.corr_lo[i]))), _mm256_mul_ps(s_lo, xs), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dh[r], _mm256_set1_epi32(a.corr_hi[i]))), _mm256_mul_ps(s_hi, xs), acc[r]);
+            } else {
+                const __m256i dot = t.offset ? _mm256_sub_epi32(dl[r], _mm256_set1_epi32(a.corr_lo[i] + a.corr_hi[i])) : dl[r];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s_lo, xs), acc[r]);
+            }
+            if constexpr (t.min) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xsum[i]), acc[r]);
         }
     }
-    if constexpr (t.min && !t.kquant)  // Q4_1/Q5_1: the fp16 mins, eight units an FMA, once a row
-        for (int64_t u = 0; u < L.units; u += 8) {
-            const __m256 m = _mm256_cvtph_ps(load_upto16(w + L.mins + 2 * u, 2 * static_cast<int>(std::min<int64_t>(8, L.units - u))));
-            for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.xsum + a.unit_at(u, r0 + r)), acc[r]);
-        }
-    for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + hsum(acc_min[r]);
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
 }
 
-// fp32 activations: each unit's values dequantized in registers; xsum holds each row's sum of x per unit.
+// Four vectors of eight 4-byte lanes -> per lane its four dwords in vector order: row k in the low half of
+// result k, row k + 4 in its high half.
+inline void transpose4x8(__m256i v[4]) {
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    v[0] = _mm256_unpacklo_epi64(t0, t2), v[1] = _mm256_unpackhi_epi64(t0, t2);
+    v[2] = _mm256_unpacklo_epi64(t1, t3), v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// 16 codes' values s * (c - o) (+ m) into out[0..16), in the row dequantizer's arithmetic.
+template <int TYPE, typename T>
+inline void dequantize16(__m128i codes, float s, float m, T* out) {
+    constexpr Info t = info(TYPE);
+    for (int i = 0; i < 2; ++i) {
+        const __m256i v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(i ? _mm_srli_si128(codes, 8) : codes), _mm256_set1_epi32(t.offset));
+        __m256 w = _mm256_mul_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(v));
+        if constexpr (t.min) w = _mm256_add_ps(w, _mm256_set1_ps(m));
+        store8(out + 8 * i, w);
+    }
+}
+
+// A panel's 16 rows of values, row l at out + l * L.K: a unit's code vectors transposed into each row's codes.
+template <int TYPE, typename T>
+void dequantize_panel(const uint8_t* panel, const Layout& L, T* out) {
+    constexpr Info t = info(TYPE);
+    __m256 d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h)
+        for (int64_t u = 0; u < L.units; ++u) {
+            const uint8_t* p = panel + L.unit_at(u);
+            if (t.kquant && u % 8 == 0) block_scales<TYPE>(p, L, h, &d, &dmin);
+            const Scales8 sc = unit_scales<TYPE>(p, L, h, d, dmin);
+            float s_lo[8], s_hi[8], m[8];
+            _mm256_storeu_ps(s_lo, sc.lo), _mm256_storeu_ps(s_hi, sc.hi), _mm256_storeu_ps(m, sc.min);
+            __m256i lo[4], hi[4];
+            for (int j = 0; j < 4; ++j) half_vector<TYPE>(p, L, j, h, &lo[j], &hi[j]);
+            transpose4x8(lo), transpose4x8(hi);
+            for (int k = 0; k < 8; ++k) {
+                T* row = out + (8 * h + k) * L.K + 32 * u;
+                const __m128i cl = k < 4 ? _mm256_castsi256_si128(lo[k]) : _mm256_extracti128_si256(lo[k - 4], 1);
+                const __m128i ch = k < 4 ? _mm256_castsi256_si128(hi[k]) : _mm256_extracti128_si256(hi[k - 4], 1);
+                dequantize16<TYPE>(cl, s_lo[k], m[k], row);
+                dequantize16<TYPE>(ch, s_hi[k], m[k], row + 16);
+            }
+        }
+}
+
+// Rows [n0, n1) of a packed tensor of N rows, row n at out + (n - n0) * L.K: whole panels at once, other rows one by one.
+template <typename T>
+void dequantize_rows(int type, const uint8_t* w, const Layout& L, int64_t N, int64_t n0, int64_t n1, T* out) {
+    std::vector<uint8_t> tmp(L.row_bytes);
+    const int64_t panels_end = N / PANEL * PANEL;
+    with_type(type, [&]<int TYPE>() {
+        for (int64_t n = n0; n < n1;) {
+            if (n % PANEL == 0 && n + PANEL <= std::min(n1, panels_end)) {
+                const uint8_t* panel = w + n / PANEL * L.panel_bytes();
+                T* o = out + (n - n0) * L.K;
+                if (!use_avx512) dequantize_panel<TYPE>(panel, L, o);
+                else if constexpr (std::is_same_v<T, float>) dequantize_panel_avx512(TYPE, panel, L, o);
+                else dequantize_panel_avx512(TYPE, panel, L, reinterpret_cast<uint16_t*>(o));
+                n += PANEL;
+            } else {
+                dequantize_row<TYPE>(row_at(TYPE, w, L, N, n, tmp.data()), L, out + (n - n0) * L.K);
+                ++n;
+            }
+        }
+    });
+}
+
+// Panels [p0, p1) against all M activation rows, four at a time (a panel is read from memory once, however many
+// rows multiply it).
+template <int TYPE>
+void panels_int8_avx2(const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+    for (int64_t p = p0; p < p1; ++p)
+        for (int h = 0; h < 2; ++h)
+            for (int64_t r = 0; r < M; r += 4) {
+                const uint8_t* panel = w + p * L.panel_bytes();
+                float* o = out + r * ldo + PANEL * p;
+                switch (std::min<int64_t>(4, M - r)) {
+                    case 4: panel_int8_avx2<TYPE, 4>(panel, L, a, r, h, o, ldo); break;
+                    case 3: panel_int8_avx2<TYPE, 3>(panel, L, a, r, h, o, ldo); break;
+                    case 2: panel_int8_avx2<TYPE, 2>(panel, L, a, r, h, o, ldo); break;
+                    default: panel_int8_avx2<TYPE, 1>(panel, L, a, r, h, o, ldo); break;
+                }
+            }
+}
+
+void panels_int8(int type, const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t p0, int64_t p1, float* out,
+                 int64_t ldo) {
+    if (use_avx512) matmul_panels_avx512(type, a, w, L, M, p0, p1, out, ldo);
+    else with_type(type, [&]<int TYPE>() { panels_int8_avx2<TYPE>(a, w, L, M, p0, p1, out, ldo); });
+}
+
+// fp32 activations: a row-format row's units dequantized in registers; xsum holds each row's sum of x per unit.
 template <int TYPE, int R>
 void rows_fp32_avx2(const uint8_t* w, const Layout& L, const float* x, const float* xsum, int64_t r0, float* out, int64_t ldo) {
     constexpr Info t = info(TYPE);
@@ -381,34 +510,27 @@ void rows_fp32_avx2(const uint8_t* w, const Layout& L, const float* x, const flo
     for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + offset[r];
 }
 
-// Every weight row in [n0, n1) against all M activation rows, eight at a time (each block decoded once per eight).
-template <int TYPE, bool INT8>
-void matmul_rows_avx2(const Activations& a, const float* x, const float* xsum, const uint8_t* w, const Layout& L, int64_t M,
-                      int64_t n0, int64_t n1, float* out, int64_t ldo) {
+// Rows [n0, n1) of a packed tensor of N rows against all M fp32 activation rows, eight at a time.
+template <int TYPE>
+void rows_fp32(const float* x, const float* xsum, const uint8_t* w, const Layout& L, int64_t N, int64_t M, int64_t n0, int64_t n1,
+               float* out, int64_t ldo) {
+    std::vector<uint8_t> tmp(L.row_bytes);
     for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = w + n * L.row_bytes;
+        const uint8_t* row = row_at(TYPE, w, L, N, n, tmp.data());
         for (int64_t r = 0; r < M; r += 8) {
             float* o = out + r * ldo + n;
-#define KVQ_ROWS(R) INT8 ? rows_int8_avx2<TYPE, R>(row, L, a, r, o, ldo) : rows_fp32_avx2<TYPE, R>(row, L, x, xsum, r, o, ldo)
             switch (std::min<int64_t>(8, M - r)) {
-                case 8: KVQ_ROWS(8); break;
-                case 7: KVQ_ROWS(7); break;
-                case 6: KVQ_ROWS(6); break;
-                case 5: KVQ_ROWS(5); break;
-                case 4: KVQ_ROWS(4); break;
-                case 3: KVQ_ROWS(3); break;
-                case 2: KVQ_ROWS(2); break;
-                default: KVQ_ROWS(1); break;
+                case 8: rows_fp32_avx2<TYPE, 8>(row, L, x, xsum, r, o, ldo); break;
+                case 7: rows_fp32_avx2<TYPE, 7>(row, L, x, xsum, r, o, ldo); break;
+                case 6: rows_fp32_avx2<TYPE, 6>(row, L, x, xsum, r, o, ldo); break;
+                case 5: rows_fp32_avx2<TYPE, 5>(row, L, x, xsum, r, o, ldo); break;
+                case 4: rows_fp32_avx2<TYPE, 4>(row, L, x, xsum, r, o, ldo); break;
+                case 3: rows_fp32_avx2<TYPE, 3>(row, L, x, xsum, r, o, ldo); break;
+                case 2: rows_fp32_avx2<TYPE, 2>(row, L, x, xsum, r, o, ldo); break;
+                default: rows_fp32_avx2<TYPE, 1>(row, L, x, xsum, r, o, ldo); break;
             }
-#undef KVQ_ROWS
         }
     }
-}
-
-template <bool INT8>
-void matmul_rows_avx2(int type, const Activations& a, const float* x, const float* xsum, const uint8_t* w, const Layout& L,
-                      int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-    with_type(type, [&]<int TYPE>() { matmul_rows_avx2<TYPE, INT8>(a, x, xsum, w, L, M, n0, n1, out, ldo); });
 }
 
 }  // namespace
@@ -421,7 +543,57 @@ Layout kvq::checked_layout(int64_t type, int64_t K) {
     return layout(static_cast<int>(type), K);
 }
 
-// A GGUF tensor's rows [N, row bytes] -> the kernels' layout [N, packed row bytes].
+void kvq::dequantize_f32(int type, const uint8_t* w, const Layout& L, int64_t N, int64_t n0, int64_t n1, float* out) {
+    dequantize_rows(type, w, L, N, n0, n1, out);
+}
+
+// out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows (see quants.h).
+void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
+                 float* out, int64_t ldo) {
+    if (M == 0 || N == 0) return;
+    const kvt::Scope timed;
+    const Layout L = layout(type, K);
+    if (!int8_activations) {
+        thread_local std::vector<float> sums;
+        sums.assign(M * L.units, 0.0f);
+        for (int64_t i = 0; i < M * L.units; ++i)
+            for (int j = 0; j < 32; ++j) sums[i] += x[i * 32 + j];
+        const float* xsum = sums.data();  // this thread's buffer: its address taken here, not in the workers
+        at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+            with_type(type, [&]<int TYPE>() { rows_fp32<TYPE>(x, xsum, w, L, N, M, n0, n1, out, ldo); });
+        });
+        return;
+    }
+    thread_local Prepared prepared;
+    quantize_activations(type, x, M, K, prepared);
+    const Activations a = prepared.view(L.units);
+    const int64_t panels = N / PANEL, rest = N % PANEL;
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { panels_int8(type, a, w, L, M, p0, p1, out, ldo); });
+    if (rest) {  // the last rows, in the row format: through a panel of their own, zeros past them
+        thread_local std::vector<uint8_t> panel;
+        thread_local std::vector<float> tail;
+        panel.assign(L.panel_bytes(), 0), tail.resize(M * PANEL);
+        for (int64_t l = 0; l < rest; ++l)
+            lane_io<true>(type, L, panel.data(), l, const_cast<uint8_t*>(w) + (panels * PANEL + l) * L.row_bytes);
+        panels_int8(type, a, panel.data(), L, M, 0, 1, tail.data(), PANEL);
+        for (int64_t r = 0; r < M; ++r) std::copy_n(tail.data() + r * PANEL, rest, out + r * ldo + panels * PANEL);
+    }
+}
+
+// x [M, K] fp32 @ W.T for packed W [N, row bytes]: [M, N]. int8_activations: x quantized per 32 values first.
+at::Tensor gguf_matmul(const at::Tensor& input, const at::Tensor& w, int64_t type, bool int8_activations) {
+    TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat && input.device().is_cpu(), "x must be a 2-D fp32 CPU tensor");
+    const at::Tensor x = input.contiguous();
+    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+    const Layout L = checked_layout(type, K);
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == L.row_bytes,
+                "weights do not match K=", K, ": expected packed rows of ", L.row_bytes, " bytes");
+    at::Tensor out = at::empty({M, N}, x.options());
+    kvq::matmul(static_cast<int>(type), x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, int8_activations, out.data_ptr<float>(), N);
+    return out;
+}
+
+// A GGUF tensor's rows [N, row bytes] -> the kernels' layout [N, packed row bytes] (panels, then the rest).
 at::Tensor gguf_pack(const at::Tensor& raw, int64_t type) {
     TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(),
                 "raw must be contiguous uint8 [rows, bytes]");
@@ -431,10 +603,26 @@ at::Tensor gguf_pack(const at::Tensor& raw, int64_t type) {
     const Layout L = checked_layout(type, raw.size(1) / t.block_bytes * t.block_weights);
     at::Tensor out = at::zeros({raw.size(0), L.row_bytes}, raw.options());
     const uint8_t* src = raw.data_ptr<uint8_t>();
-    uint8_t* dst = out.data_ptr<uint8_t>();
-    at::parallel_for(0, raw.size(0), 64, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; ++n) pack_row(static_cast<int>(type), src + n * raw.size(1), dst + n * L.row_bytes, L);
-    });
+    to_panels(static_cast<int>(type), L, raw.size(0), [&](int64_t n, uint8_t* tmp) {
+        std::fill_n(tmp, L.row_bytes, 0);
+        pack_row(static_cast<int>(type), src + n * raw.size(1), tmp, L);
+        return tmp;
+    }, out.data_ptr<uint8_t>());
+    return out;
+}
+
+// Rows `ids` of packed rows: packed rows themselves (a vocabulary's subset of an LM head, an embedding lookup).
+at::Tensor gguf_select(const at::Tensor& w, const at::Tensor& ids, int64_t type, int64_t K) {
+    const Layout L = checked_layout(type, K);
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == L.row_bytes,
+                "w must be packed rows of ", L.row_bytes, " bytes");
+    const at::Tensor index = ids.to(at::kLong).contiguous();
+    const int64_t* id = index.data_ptr<int64_t>();
+    for (int64_t i = 0; i < index.numel(); ++i) TORCH_CHECK(id[i] >= 0 && id[i] < w.size(0), "row ", id[i], " is past ", w.size(0), " rows");
+    at::Tensor out = at::zeros({index.numel(), L.row_bytes}, w.options());
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    to_panels(static_cast<int>(type), L, index.numel(),
+              [&](int64_t n, uint8_t* tmp) { return row_at(static_cast<int>(type), wp, L, w.size(0), id[n], tmp); }, out.data_ptr<uint8_t>());
     return out;
 }
 
@@ -450,55 +638,11 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K, at::Sca
     at::Tensor out = into.has_value() ? into->view(-1).narrow(0, 0, w.size(0) * K).view({w.size(0), K})
                                       : at::empty({w.size(0), K}, w.options().dtype(dtype));
     const uint8_t* wp = w.data_ptr<uint8_t>();
-    at::parallel_for(0, w.size(0), 16, [&](int64_t begin, int64_t end) {
-        if (dtype == at::kFloat) kvq::dequantize_f32(static_cast<int>(type), wp, L, begin, end, out.data_ptr<float>());
-        else if (use_avx512) dequantize_rows_avx512(static_cast<int>(type), wp, L, begin, end, reinterpret_cast<uint16_t*>(out.data_ptr()));
-        else dequantize_rows(static_cast<int>(type), wp, L, begin, end, out.data_ptr<at::BFloat16>());
+    at::parallel_for(0, (w.size(0) + PANEL - 1) / PANEL, 1, [&](int64_t p0, int64_t p1) {  // whole panels to each thread
+        const int64_t begin = p0 * PANEL, end = std::min(p1 * PANEL, w.size(0));
+        if (dtype == at::kFloat) dequantize_rows(static_cast<int>(type), wp, L, w.size(0), begin, end, out.data_ptr<float>() + begin * K);
+        else dequantize_rows(static_cast<int>(type), wp, L, w.size(0), begin, end, out.data_ptr<at::BFloat16>() + begin * K);
     });
-    return out;
-}
-
-void kvq::dequantize_f32(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, float* out) {
-    if (use_avx512) dequantize_rows_avx512(type, w, L, n0, n1, out);
-    else dequantize_rows(type, w, L, n0, n1, out);
-}
-
-// out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows (see quants.h).
-void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
-                 float* out, int64_t ldo) {
-    if (M == 0 || N == 0) return;
-    const kvt::Scope timed;
-    const Layout L = layout(type, K);
-    thread_local Prepared prepared;
-    thread_local std::vector<float> sums;
-    if (int8_activations) {
-        quantize_activations(type, x, M, K, prepared);
-    } else {
-        sums.assign(M * L.units, 0.0f);
-        for (int64_t i = 0; i < M * L.units; ++i)
-            for (int j = 0; j < 32; ++j) sums[i] += x[i * 32 + j];
-    }
-    // the buffers are this thread's: take their addresses here, not in the workers
-    const Activations a = prepared.view(M);
-    const float* xsum = sums.data();
-    const bool avx512 = int8_activations && use_avx512;
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        if (avx512) matmul_rows_avx512(type, a, w, L, M, n0, n1, out, ldo);
-        else if (int8_activations) matmul_rows_avx2<true>(type, a, x, xsum, w, L, M, n0, n1, out, ldo);
-        else matmul_rows_avx2<false>(type, a, x, xsum, w, L, M, n0, n1, out, ldo);
-    });
-}
-
-// x [M, K] fp32 @ W.T for packed W [N, row bytes]: [M, N]. int8_activations: x quantized per 32 values first.
-at::Tensor gguf_matmul(const at::Tensor& input, const at::Tensor& w, int64_t type, bool int8_activations) {
-    TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat && input.device().is_cpu(), "x must be a 2-D fp32 CPU tensor");
-    const at::Tensor x = input.contiguous();
-    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-    const Layout L = checked_layout(type, K);
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == L.row_bytes,
-                "weights do not match K=", K, ": expected packed rows of ", L.row_bytes, " bytes");
-    at::Tensor out = at::empty({M, N}, x.options());
-    kvq::matmul(static_cast<int>(type), x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, int8_activations, out.data_ptr<float>(), N);
     return out;
 }
 
@@ -515,6 +659,7 @@ void set_kernel_isa(const std::string& name) {
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("gguf_pack(Tensor raw, int type) -> Tensor", &gguf_pack);
     m.def("gguf_dequantize(Tensor w, int type, int K, ScalarType dtype, Tensor? out=None) -> Tensor", &gguf_dequantize);
+    m.def("gguf_select(Tensor w, Tensor ids, int type, int K) -> Tensor", &gguf_select);
     m.def("gguf_matmul(Tensor x, Tensor w, int type, bool int8_activations=False) -> Tensor", &gguf_matmul);
     m.def("kernel_isa() -> str", &kernel_isa);
     m.def("set_kernel_isa(str name) -> ()", &set_kernel_isa);

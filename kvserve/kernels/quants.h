@@ -14,6 +14,18 @@
 //   scales  fp16 per unit (legacy types); u8 (Q4_K/Q5_K) or i8 per 16 weights (Q6_K) with an fp16 d per 256.
 //   mins    fp16 per unit (Q4_1/Q5_1); u8 with an fp16 dmin per 256 (Q4_K/Q5_K).
 // Row bytes equal the file's for every type but Q4_K/Q5_K (6-bit scales unpacked to bytes: +4 bytes per 256).
+//
+// That is the row format. The kernels read rows a panel of 16 at a time: a tensor's rows [0, 16 * (N / 16)) lie
+// as panels (16 * row bytes each, the same bits interleaved so that lane l of every vector belongs to row l), the
+// last N % 16 rows in the row format. A panel is, per GGUF block, a header (K-quants: the 16 rows' d, then dmin,
+// fp16) and then per unit:
+//   codes   4-bit: four 64-byte vectors, vector j lane l = row l's code bytes 4j..4j+3 (weights 4j.. in the low
+//           nibbles, 16 + 4j.. in the high ones); 8-bit: eight vectors, vector j lane l = row l's weights 4j..4j+3.
+//   hi1/hi2 per 4-bit vector j, a 64-bit mask for its low nibbles and one for its high nibbles: bit 4l + b.
+//   scales  16 fp16 (legacy types), 16 u8 (Q4_K/Q5_K), 16 i8 for weights 0-15 and 16 for 16-31 (Q6_K).
+//   mins    16 fp16 (Q4_1/Q5_1), 16 u8 (Q4_K/Q5_K).
+// One integer dot product instruction then covers 16 rows, and a unit's scales apply once per 16 rows and 32
+// weights instead of once per 4 weights of a row.
 #pragma once
 #include <immintrin.h>
 
@@ -63,10 +75,18 @@ inline void with_type(int type, F&& f) {
     }
 }
 
-// Byte offsets of a packed row's planes.
+constexpr int64_t PANEL = 16;  // rows a panel interleaves
+constexpr int64_t AHEAD = 4096;  // the kernels ask for a panel's bytes this far ahead of their use
+
+// Byte offsets of a packed row's planes, and of a panel's unit parts (p_*, from the unit's start).
 struct Layout {
     int64_t K, units, groups, supers;
     int64_t codes, hi1, hi2, scales, super_scales, mins, super_mins, row_bytes;
+    int64_t block_units, header, unit_bytes, p_hi1, p_hi2, p_scales, p_mins;
+
+    int64_t panel_bytes() const { return PANEL * row_bytes; }
+    // where unit u of a panel starts (its block's header lies `header` bytes before its first unit)
+    int64_t unit_at(int64_t u) const { return (u / block_units) * (header + block_units * unit_bytes) + header + (u % block_units) * unit_bytes; }
 };
 
 inline Layout layout(int type, int64_t K) {
@@ -82,6 +102,14 @@ inline Layout layout(int type, int64_t K) {
     if (t.min) L.mins = at, at += t.kquant ? L.units : 2 * L.units;
     if (t.min && t.kquant) L.super_mins = at, at += 2 * L.supers;
     L.row_bytes = at;
+    L.block_units = t.block_weights / 32;
+    L.header = t.kquant ? (t.min ? 64 : 32) : 0;
+    at = t.bits == 8 ? 512 : 256;
+    if (t.bits == 5 || t.bits == 6) L.p_hi1 = at, at += 64;
+    if (t.bits == 6) L.p_hi2 = at, at += 64;
+    L.p_scales = at, at += t.kquant && !t.per16 ? 16 : 32;
+    if (t.min) L.p_mins = at, at += t.kquant ? 16 : 32;
+    L.unit_bytes = at;
     return L;
 }
 
@@ -124,6 +152,15 @@ inline UnitScale unit_scale(int type, const uint8_t* row, const Layout& L, int64
     return {s, s, -(fp16(row + L.super_mins + 2 * (u / 8)) * float(row[L.mins + u]))};
 }
 
+// Sets the bits unit_bits reads.
+inline void set_unit_bits(uint8_t* plane, int64_t u, uint32_t bits) {
+    const int64_t g = u / 4, p = u % 4;
+    const uint64_t keep = ~(uint64_t(0xFFFF) << (16 * p));
+    const uint64_t lo = (load64(plane + 16 * g) & keep) | (uint64_t(bits & 0xFFFF) << (16 * p));
+    const uint64_t hi = (load64(plane + 16 * g + 8) & keep) | (uint64_t(bits >> 16) << (16 * p));
+    std::memcpy(plane + 16 * g, &lo, 8), std::memcpy(plane + 16 * g + 8, &hi, 8);
+}
+
 // 0xFF in byte i where bit i of `bits` is set (llama.cpp's bytes_from_bits_32).
 inline __m256i bytes_from_bits(uint32_t bits) {
     const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
@@ -161,31 +198,25 @@ inline __m256i unit_values(int type, const uint8_t* row, const Layout& L, int64_
 // K is whole blocks of it (quant_matmul.cpp).
 Layout checked_layout(int64_t type, int64_t K);
 
-// out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows of `type`, with int8-quantized
-// activations or fp32 ones (quant_matmul.cpp; for the fused layer ops too).
+// out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows of `type` (panels, then the rest),
+// with int8-quantized activations or fp32 ones (quant_matmul.cpp; for the fused layer ops too).
 void matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
             float* out, int64_t ldo);
 
-// Packed rows [n0, n1) of `type` as fp32, row n at out + n * L.K (quant_matmul.cpp).
-void dequantize_f32(int type, const uint8_t* w, const Layout& L, int64_t n0, int64_t n1, float* out);
+// Rows [n0, n1) of a packed tensor `w` of N rows of `type` as fp32, row n at out + (n - n0) * L.K (quant_matmul.cpp).
+void dequantize_f32(int type, const uint8_t* w, const Layout& L, int64_t N, int64_t n0, int64_t n1, float* out);
 
-// The int8-activation kernels' view of M rows of x, prepared once a call. Each row is quantized per 32 values
-// (scale = max|x| / 127, codes round(x / scale)) and laid out per group of four units to match the weight
-// codes, group-major (group g of row r at g * rows + r: a weight group's activation rows lie together):
-// xa holds each unit's first 16 codes, xb its last 16 (byte 16p + j of a group: unit p's value j), xs the
-// scale of each 32-bit lane's unit (16 a group), corr the type's offset times each lane's sum of codes (xa +
-// xb, or apart for Q6_K: corr then corr_b), xm (Q4_K/Q5_K only) each lane's sum of dequantized values (xa + xb:
-// their min term, m * sum x, summed lane by lane), xsum each unit's sum of dequantized values, in chunks of 16 units
-// (chunk-major, zeros past the row's units: unit_at).
+// The int8-activation kernels' view of M rows of x, prepared once a call: each row quantized per 32 values
+// (scale = max|x| / 127, codes round(x / scale)). Unit u of row r is entry r * units + u: its 32 codes at q + 32 *
+// entry, its scale xs, its sum of dequantized values xsum (the mins' term), and the type's offset times the sum
+// of its first 16 codes and of its last 16 (corr_lo, corr_hi: the offset's term).
 struct Activations {
-    const int8_t *xa, *xb;
-    const float* xs;
-    const int32_t *corr, *corr_b;
-    const float *xm, *xsum;
-    int64_t rows;
+    const int8_t* q;
+    const float *xs, *xsum;
+    const int32_t *corr_lo, *corr_hi;
+    int64_t units;
 
-    int64_t at(int64_t g, int64_t r) const { return g * rows + r; }
-    int64_t unit_at(int64_t u, int64_t r) const { return 16 * ((u / 16) * rows + r) + u % 16; }
+    int64_t at(int64_t r, int64_t u) const { return r * units + u; }
 };
 
 }  // namespace kvq

@@ -82,9 +82,7 @@ class VocabSubset(nn.Module):
         self.head = Linear(head.in_features, len(ids), bias=False, device="meta")
         self.head.int8_activations, self.head.gemm_dtype = head.int8_activations, head.gemm_dtype
         if head.qweight is not None:
-            (qtype, rows), = head.qweight.parts
-            ids = ids.to(rows.device)
-            self.head.use_quantized(QuantizedWeight([(qtype, rows.index_select(0, ids))], head.in_features))
+            self.head.use_quantized(head.qweight.select(ids))
         else:
             ids = ids.to(head.weight.device)
             self.head.weight = nn.Parameter(head.weight.detach().index_select(0, ids), requires_grad=False)

@@ -19,6 +19,7 @@ from kvserve.kernels import native_ops
 # The GGUF types kvserve.kernels multiply in place (ggml type ids).
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 TILE_BYTES = 8 << 20  # prefill dequantizes this much of a weight at a time (into one reused buffer; L3-sized)
+PANEL = 16  # packed rows lie in panels of this many (kernels/quants.h), but for a weight's last rows past them
 
 
 def packed_row_bytes(qtype: str, cols: int) -> int:
@@ -75,7 +76,7 @@ class QuantizedWeight:
         """Rows of several weights of equal width, one after another; neighbouring parts of a type merge."""
         parts: list[tuple[str, torch.Tensor]] = []
         for qtype, rows in (part for w in weights for part in w.parts):
-            if parts and parts[-1][0] == qtype:
+            if parts and parts[-1][0] == qtype and len(parts[-1][1]) % PANEL == 0:  # (else its last rows are not a panel)
                 parts[-1] = (qtype, torch.cat([parts[-1][1], rows]))
             else:
                 parts.append((qtype, rows))
@@ -102,7 +103,7 @@ class QuantizedWeight:
     def tiles(self, dtype: torch.dtype):
         """(first row, dequantized rows [n, in]) for all rows, a few MB at a time, in one buffer reused by every tile
         (use each before taking the next)."""
-        start, count = 0, max(1, TILE_BYTES // (self.in_features * dtype.itemsize))
+        start, count = 0, max(1, TILE_BYTES // (self.in_features * dtype.itemsize) // PANEL) * PANEL  # whole panels
         buffer = _tile_buffer(dtype, count * self.in_features)
         for qtype, rows in self.parts:
             for first in range(0, rows.shape[0], count):
@@ -113,11 +114,15 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat([tile.clone() for _, tile in self.tiles(dtype)])
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` as float32 [len(ids), in] (an embedding lookup)."""
+    def select(self, ids: torch.Tensor) -> QuantizedWeight:
+        """Rows `ids` (of a weight of one part), packed."""
         (qtype, rows), = self.parts
-        return native_ops().gguf_dequantize(rows.index_select(0, ids.flatten()), KERNEL_TYPES[qtype], self.in_features,
-                                            torch.float32).view(*ids.shape, self.in_features)
+        return QuantizedWeight([(qtype, native_ops().gguf_select(rows, ids, KERNEL_TYPES[qtype], self.in_features))], self.in_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` as float32 [*ids.shape, in] (an embedding lookup)."""
+        (qtype, rows), = self.select(ids.flatten()).parts
+        return native_ops().gguf_dequantize(rows, KERNEL_TYPES[qtype], self.in_features, torch.float32).view(*ids.shape, self.in_features)
 
 
 def gather_on_huge_pages(weights: list[QuantizedWeight]) -> None:
