@@ -14,12 +14,11 @@ from torch import nn
 from kvserve.layers.quantized import QuantizedWeight
 
 # Up to this many rows the kernels beat dequantizing the weight for a GEMM: fp32 activations against fp32 tiles;
-# int8 activations against fp32 tiles, and against bf16 ones. Measured on a 2-core Zen 5 (AVX-512 VNNI and BF16),
-# all of SmolLM2's layers: fp32 kernel 28 ms / fp32 tiles 31 ms at 16 rows, 46 / 38 at 24; int8 kernel 41 / fp32
-# tiles 76 at 64; int8 kernel 15.3 / bf16 tiles 16.4 at 24, 19.6 / 17.0 at 32.
+# int8 activations against fp32 or bf16 tiles. Measured on a 2-core Zen 5 (AVX-512 VNNI and BF16), all of
+# SmolLM2's layers: fp32 kernel 28 ms / fp32 tiles 31 ms at 16 rows, 46 / 38 at 24; int8 kernel 41 / fp32 tiles 76
+# at 64; with panels of 16 rows (kernels/quants.h), int8 kernel 8.6 / bf16 tiles 27.5 ms at 24, 18.7 / 46.1 at 64.
 MAX_KERNEL_ROWS = 16
 MAX_KERNEL_ROWS_INT8 = 64
-MAX_KERNEL_ROWS_BF16 = 24
 # For a few rows against a wide weight, MKL's x @ W^T takes a slow path (4 rows x the 49152-wide head: 42 ms),
 # while W @ x^T, the same numbers, is fast (9 ms); past this many rows x @ W^T catches up.
 MAX_TRANSPOSED_ROWS = 256
@@ -43,9 +42,7 @@ class Linear(nn.Linear):
     @property
     def kernel_rows(self) -> int:
         """Up to this many rows a quantized weight multiplies in place; more run a GEMM over dequantized tiles."""
-        if not self.int8_activations:
-            return MAX_KERNEL_ROWS
-        return MAX_KERNEL_ROWS_BF16 if self.gemm_dtype == torch.bfloat16 else MAX_KERNEL_ROWS_INT8
+        return MAX_KERNEL_ROWS_INT8 if self.int8_activations else MAX_KERNEL_ROWS
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
