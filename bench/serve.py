@@ -1,8 +1,9 @@
 """Serving under load: a bounded load generator against `kvserve serve` on loopback, next to the offline engine.
 
 At each concurrency (1, 8, 32) it keeps that many streaming completions in flight and records output
-tokens/s, p50/p99 TTFT and inter-token latency. The offline engine's throughput on the same prompts is
-measured in this same run; the last line is the server's share of it at the highest concurrency.
+tokens/s, p50/p99 TTFT and inter-token latency. The offline engine's throughput at batch 1 and at the highest
+concurrency is measured in this same run, on prompts alike; the last lines are the server's share of each (issue
+16: one client should stream as fast as the offline engine decodes).
 
     python bench/serve.py [--concurrency 1,8,32] [--prompt-len 64] [--new-tokens 64]
 """
@@ -73,6 +74,21 @@ def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
     raise SystemExit("the server did not start")
 
 
+def offline_rate(llm: LLM, prompts: list[list[int]], batch: int, new_tokens: int) -> tuple[float, float]:
+    """The offline engine's output tok/s on `prompts`, and the median gap between a request's outputs. Batch 1: one
+    request at a time, streamed (as the server's one client gets them); else all at once."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    start, gaps = time.perf_counter(), []
+    if batch > 1:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start), float("nan")
+    for prompt in prompts:
+        arrivals = [time.perf_counter() for _ in llm.stream(prompt, params)]
+        gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return len(prompts) * new_tokens / (time.perf_counter() - start), percentile(gaps, .5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -99,18 +115,19 @@ def main() -> None:
 
     top = max(levels)
     llm = LLM(args.model, max_num_seqs=top)
-    prompts = make(2 * top)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True), use_tqdm=False)
-    offline = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+    offline = {batch: offline_rate(llm, make(max(4, 2 * batch)), batch, args.new_tokens) for batch in dict.fromkeys([1, top])}
 
     print(f"\nprompts {args.prompt_len} tokens, {args.new_tokens} new tokens, streaming completions on loopback")
     for c, n, r in rows:
         print(f"  concurrency {c:3d} ({n:3d} requests): {r['tokens_per_s']:7.1f} output tok/s   "
               f"TTFT p50 {percentile(r['ttft'], .5) * 1000:7.0f} ms  p99 {percentile(r['ttft'], .99) * 1000:7.0f} ms   "
-              f"ITL p50 {percentile(r['itl'], .5) * 1000:6.0f} ms  p99 {percentile(r['itl'], .99) * 1000:6.0f} ms")
-    print(f"  offline engine, batch {top} ({2 * top} requests): {offline:7.1f} output tok/s")
-    print(f"ratio server @ concurrency {top} / offline: {rows[-1][2]['tokens_per_s'] / offline:.2f}")
+              f"ITL p50 {percentile(r['itl'], .5) * 1000:6.2f} ms  p99 {percentile(r['itl'], .99) * 1000:6.2f} ms")
+    for batch, (rate, itl) in offline.items():
+        print(f"  offline engine, batch {batch:3d} ({max(4, 2 * batch):3d} requests): {rate:7.1f} output tok/s   ITL p50 {itl * 1000:6.2f} ms")
+    for c, _, r in rows:
+        if c in offline:
+            print(f"ratio server @ concurrency {c} / offline batch {c}: {r['tokens_per_s'] / offline[c][0]:.2f} tok/s, "
+                  f"{percentile(r['itl'], .5) / offline[c][1]:.2f} ITL p50")
 
 
 if __name__ == "__main__":
