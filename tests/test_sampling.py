@@ -113,7 +113,7 @@ def test_sampled_tokens_follow_the_filtered_distribution(temperature, top_k, top
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
     generator = torch.Generator().manual_seed(1)
     n = 20000
-    tokens = torch.tensor([sample(logits[None], SamplingBatch([params], [generator], [[]], [[]])).token_ids[0] for _ in range(n)])
+    tokens = torch.tensor([sample(logits[None], SamplingBatch([params], [generator], [[]], [0], [[]])).token_ids[0] for _ in range(n)])
     assert bool((expected[tokens] > 0).all())
     counts = torch.bincount(tokens, minlength=len(logits)).double()
     for share, want in [(counts[:8] / n, expected[:8].double()), (counts[8:].sum()[None] / n, expected[8:].sum().double()[None])]:

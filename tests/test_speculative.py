@@ -79,7 +79,7 @@ def test_rejection_rule_on_a_hand_made_distribution_equals_the_formula():
     x, n = 1, 20000
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, max_tokens=1)
-    samples = sample(p.log().repeat(n, 1), SamplingBatch([params] * n, [gen] * n, [[]] * n, [[]] * n)).token_ids
+    samples = sample(p.log().repeat(n, 1), SamplingBatch([params] * n, [gen] * n, [[]] * n, [0] * n, [[]] * n)).token_ids
     kept = [verify([x], [s, 0]) for s in samples]
     rate = sum(len(t) == 2 for t in kept) / n
     assert abs(rate - p[x].item()) < 4 * math.sqrt(p[x] * (1 - p[x]) / n)

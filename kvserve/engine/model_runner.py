@@ -93,16 +93,18 @@ class ModelRunner:
         logits = self.model.compute_logits(selected)
         self.last_logits = logits
         votes = _collect_votes(inputs, batch.seqs, self.kv_cache.layout.num_layers)
-        rows, first = [], 0  # (sequence, logits row, outputs so far), one per sample
+        rows, first = [], 0  # (sequence, logits row, its guesses before that row), one per sample
         for row in inputs.sampling_rows:
             seq = batch.seqs[row]
             guesses = seq.draft_token_ids
-            rows += [(seq, first + j, seq.output_token_ids + guesses[:j]) for j in range(len(guesses) + 1)]
+            rows += [(seq, first + j, guesses[:j]) for j in range(len(guesses) + 1)]
             rows += [(child, first, []) for child in seq.children]
             first += len(guesses) + 1
-        sampling = SamplingBatch([s.params for s, _, _ in rows], [s.generator for s, _, _ in rows],
-                                 [s.token_ids[: s.num_prompt_tokens] for s, _, _ in rows], [out for _, _, out in rows])
-        sampled = sample(logits.cpu()[[i for _, i, _ in rows]], sampling)
+        sampling = SamplingBatch([s.params for s, _, _ in rows], [s.generator for s, _, _ in rows], [s.token_ids for s, _, _ in rows],
+                                 [s.num_prompt_tokens for s, _, _ in rows], [g for _, _, g in rows])
+        index = [i for _, i, _ in rows]
+        logits = logits.cpu()
+        sampled = sample(logits if index == list(range(len(logits))) else logits[index], sampling)  # in order: no copy
         output = StepOutput([], [], [], sampled, votes)
         at = 0
         while at < len(rows):  # each sequence's samples are consecutive: one per guess, then one after them

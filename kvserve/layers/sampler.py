@@ -10,12 +10,20 @@ from kvserve.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class SamplingBatch:
-    """One row per sequence that samples this step."""
+    """One row per sequence that samples this step. A row's history (for penalties) is its sequence's token ids, of
+    which the first num_prompt are the prompt, then the guesses before its row: held, not copied, as few rows read them."""
 
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
-    prompt_ids: list[list[int]]
-    output_ids: list[list[int]]
+    token_ids: list[list[int]]
+    num_prompt: list[int]
+    guesses: list[list[int]]
+
+    def prompt_ids(self, i: int) -> list[int]:
+        return self.token_ids[i][: self.num_prompt[i]]
+
+    def output_ids(self, i: int) -> list[int]:
+        return self.token_ids[i][self.num_prompt[i]:] + self.guesses[i]
 
 
 @dataclass(slots=True)
@@ -92,12 +100,13 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     logits = logits.clone()
     for i in rows:
         p, row = batch.params[i], logits[i]
+        output_ids = batch.output_ids(i)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(batch.prompt_ids[i]) | set(batch.output_ids[i])), dtype=torch.long)
+            seen = torch.tensor(sorted(set(batch.prompt_ids(i)) | set(output_ids)), dtype=torch.long)
             if len(seen):
                 values = row[seen]
                 row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if batch.output_ids[i] and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(batch.output_ids[i]), minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+        if output_ids and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(output_ids), minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return logits
