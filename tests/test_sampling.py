@@ -119,3 +119,19 @@ def test_sampled_tokens_follow_the_filtered_distribution(temperature, top_k, top
     for share, want in [(counts[:8] / n, expected[:8].double()), (counts[8:].sum()[None] / n, expected[8:].sum().double()[None])]:
         sigma = (want * (1 - want) / n).sqrt()
         assert bool(((share - want).abs() <= 4 * sigma + 1e-9).all()), (share, want)
+
+
+def test_penalties_apply_to_each_rows_history():
+    """Repetition penalty over the prompt and the output (logits above 0 divided, below multiplied); frequency and
+    presence penalties over the output only, a row's guesses before it counted as output; rows without penalties and
+    the logits passed in untouched."""
+    from kvserve.layers.sampler import SamplingBatch, _apply_penalties
+
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]]).repeat(3, 1)
+    history = [0, 1, 2, 2]  # prompt [0, 1], output [2, 2]
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), SamplingParams()]
+    batch = SamplingBatch(params, [None] * 3, [history] * 3, [2] * 3, [[], [3], []])
+    out = _apply_penalties(logits, batch)
+    assert torch.equal(out[0], torch.tensor([1.0, -4.0, 0.5, 0.5, 3.0]))
+    assert torch.equal(out[1], torch.tensor([2.0, -2.0, 1.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 3.0]))  # token 2 twice, 3 once
+    assert torch.equal(out[2], logits[2]) and torch.equal(logits, torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]]).repeat(3, 1))
