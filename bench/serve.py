@@ -74,6 +74,11 @@ def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
     raise SystemExit("the server did not start")
 
 
+def num_requests(concurrency: int) -> int:
+    """Requests a run at this concurrency (or offline batch) sends: two rounds, at least four."""
+    return max(4, 2 * concurrency)
+
+
 def offline_rate(llm: LLM, prompts: list[list[int]], batch: int, new_tokens: int) -> tuple[float, float]:
     """The offline engine's output tok/s on `prompts`, and the median gap between a request's outputs. Batch 1: one
     request at a time, streamed (as the server's one client gets them); else all at once."""
@@ -107,7 +112,7 @@ def main() -> None:
     rows = []
     try:
         for c in levels:
-            prompts = make(max(4, 2 * c))
+            prompts = make(num_requests(c))
             rows.append((c, len(prompts), asyncio.run(load(f"http://127.0.0.1:{port}", prompts, args.new_tokens, c))))
     finally:
         server.terminate()
@@ -115,7 +120,7 @@ def main() -> None:
 
     top = max(levels)
     llm = LLM(args.model, max_num_seqs=top)
-    offline = {batch: offline_rate(llm, make(max(4, 2 * batch)), batch, args.new_tokens) for batch in dict.fromkeys([1, top])}
+    offline = {batch: offline_rate(llm, make(num_requests(batch)), batch, args.new_tokens) for batch in dict.fromkeys([1, top])}
 
     print(f"\nprompts {args.prompt_len} tokens, {args.new_tokens} new tokens, streaming completions on loopback")
     for c, n, r in rows:
@@ -123,11 +128,12 @@ def main() -> None:
               f"TTFT p50 {percentile(r['ttft'], .5) * 1000:7.0f} ms  p99 {percentile(r['ttft'], .99) * 1000:7.0f} ms   "
               f"ITL p50 {percentile(r['itl'], .5) * 1000:6.2f} ms  p99 {percentile(r['itl'], .99) * 1000:6.2f} ms")
     for batch, (rate, itl) in offline.items():
-        print(f"  offline engine, batch {batch:3d} ({max(4, 2 * batch):3d} requests): {rate:7.1f} output tok/s   ITL p50 {itl * 1000:6.2f} ms")
+        streamed = f"   ITL p50 {itl * 1000:6.2f} ms" if batch == 1 else ""
+        print(f"  offline engine, batch {batch:3d} ({num_requests(batch):3d} requests): {rate:7.1f} output tok/s{streamed}")
     for c, _, r in rows:
         if c in offline:
-            print(f"ratio server @ concurrency {c} / offline batch {c}: {r['tokens_per_s'] / offline[c][0]:.2f} tok/s, "
-                  f"{percentile(r['itl'], .5) / offline[c][1]:.2f} ITL p50")
+            itl = f", {percentile(r['itl'], .5) / offline[c][1]:.2f} ITL p50" if c == 1 else ""
+            print(f"ratio server @ concurrency {c} / offline batch {c}: {r['tokens_per_s'] / offline[c][0]:.2f} tok/s{itl}")
 
 
 if __name__ == "__main__":
