@@ -24,6 +24,8 @@ from kvserve.server.metrics import Metrics
 
 log = logging.getLogger("kvserve.server")
 
+METRICS_PERIOD_S = 0.05  # gauges and scheduler counters follow the engine at most this late (a step's is ~50 us at batch 1)
+
 
 class QueueFullError(Exception):
     """The waiting queue is at its bound; the client should retry later."""
@@ -41,6 +43,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.usage_history: deque[tuple[float, float]] = deque(maxlen=240)
         self.recent = RecentStats()
+        self._flushed = 0.0  # when the gauges and scheduler counters last caught up
 
     def stop(self) -> None:
         """End `run` after the step in progress; commands sent before it starts wait for it."""
@@ -128,7 +131,7 @@ class AsyncEngine:
             if command[1] in self.engine.requests:
                 self._abort(command[1])
                 self.metrics.record_finished("abort")
-                self._update_gauges()
+                self._flush_metrics()
         elif kind == "snapshot":
             command[1].set_result(self._snapshot())
 
@@ -153,10 +156,13 @@ class AsyncEngine:
                 self.recent.last_token.pop(out.request_id, None)
         self._send([(out.request_id, out) for out in outputs])
         self.metrics.generation_tokens.inc(sum(len(c.new_token_ids) for out in outputs for c in out.outputs))
-        self.metrics.record_stats(self.engine.scheduler.stats)
-        self._update_gauges()
+        if now - self._flushed >= METRICS_PERIOD_S or any(out.finished for out in outputs):
+            self._flush_metrics()
 
-    def _update_gauges(self) -> None:
+    def _flush_metrics(self) -> None:
+        """The scheduler's counters and the gauges, as of now."""
+        self._flushed = time.perf_counter()
+        self.metrics.record_stats(self.engine.scheduler.stats)
         usage = self.engine.kv_usage()
         share = usage["used_blocks"] / usage["num_blocks"]
         self.metrics.kv_usage.set(share)
@@ -172,7 +178,7 @@ class AsyncEngine:
         for request_id in failed:
             self._abort(request_id)
         self._send([(r, EngineDeadError(f"the engine failed on this request's step: {error}")) for r in failed])
-        self._update_gauges()
+        self._flush_metrics()
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
