@@ -241,6 +241,8 @@ def test_fused_decode_layers_give_the_module_paths_logits(matmul_dtype):
     prompts = ["The three primary colors are", "def fibonacci(n):", "Once upon a time"]  # three decodes a step: several rows
     assert_fused_paths_agree(llm, prompts, greedy(24, logprobs=3), tolerance=1e-5)
     stack, layers = llm.engine.runner.backend.stack, llm.engine.runner.model.layers
-    x, rope = torch.zeros(1, 576), torch.zeros(1, 64)  # the stack checks a step's arguments before any layer writes
+    x = torch.zeros(1, 576)  # the stack checks a step's arguments before any layer writes
     with pytest.raises(RuntimeError, match="slot 1000000000 is outside the pool"):
-        stack.forward(x, [rope], [rope], [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([10**9])], len(layers))
+        stack.forward(x, torch.tensor([0]), [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([10**9])], len(layers))
+    with pytest.raises(RuntimeError, match="position 1000000000 is past the rotary tables"):
+        stack.forward(x, torch.tensor([10**9]), [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([0])], len(layers))

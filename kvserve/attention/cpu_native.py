@@ -25,26 +25,30 @@ class NativeCPUBackend(SDPABackend):
         self.windows = [g.spec.window or 0 for g in layout.groups]
         written = layout.residual_format if residual else layout.k_format  # the format new tokens land in
         self.writes = isinstance(written, FloatFormat) and (residual or isinstance(layout.v_format, FloatFormat))
-        self.stack, self.stack_rows, self.stack_depth, self.rope_kinds = None, 0, 0, []
+        self.stack, self.stack_rows, self.stack_depth = None, 0, 0
 
-    def stack_layers(self, layers: list) -> None:
-        """Bind fused decoder layers (models/llama.py: DecoderLayer.fuse), all of a model's, to their stores: then a
-        step this backend runs whole runs the layer loop in one native call (kernels/decode_layer.cpp: DecodeStack)."""
+    def stack_layers(self, model) -> None:
+        """Bind a model's fused decoder layers (models/llama.py: DecoderLayer.fuse), all of them, to their stores,
+        with its rotary tables and final norm: then a step this backend runs whole runs the layer loop and the norm
+        in one native call (kernels/decode_layer.cpp: DecodeStack)."""
+        layers = list(model.layers)
         if not self.writes or any(getattr(layer, "fused", None) is None for layer in layers) or None in self.stores:
             return
         self.stack, self.stack_rows = torch.classes.kvserve.DecodeStack(), min(layer.fused_rows for layer in layers)
         self.stack_depth = len(layers)
-        self.rope_kinds = list(dict.fromkeys(layer.self_attn.rope for layer in layers))
+        rope_kinds = list(dict.fromkeys(layer.self_attn.rope for layer in layers))
+        for kind in rope_kinds:
+            self.stack.add_rope(model.rotary[kind].cos, model.rotary[kind].sin)
+        self.stack.set_norm(model.norm.weight.detach(), model.norm.eps)
         for layer in layers:
             g, j = self.cache.slot[layer.self_attn.layer]
-            self.stack.add(layer.fused, *self.stores[j], g, self.rope_kinds.index(layer.self_attn.rope))
+            self.stack.add(layer.fused, *self.stores[j], g, rope_kinds.index(layer.self_attn.rope))
 
-    def run_layers(self, x: torch.Tensor, rope: dict, ctx: ForwardContext, num_layers: int | None) -> torch.Tensor | None:
+    def run_layers(self, x: torch.Tensor, ctx: ForwardContext, num_layers: int | None) -> torch.Tensor | None:
         if self.stack is None or ctx.step_arguments is None or x.shape[0] > self.stack_rows:
             return None
         tables, lens, windows, slots = zip(*ctx.step_arguments)
-        cos, sin = zip(*(rope[kind] for kind in self.rope_kinds))
-        return self.stack.forward(x, cos, sin, tables, lens, windows, slots, self.stack_depth if num_layers is None else num_layers)
+        return self.stack.forward(x, ctx.positions, tables, lens, windows, slots, self.stack_depth if num_layers is None else num_layers)
 
     def step_arguments(self, ctx: ForwardContext) -> list[tuple] | None:
         """Per KV group, the kernel's arguments of this step (block tables, context lengths, window, slots) where it

@@ -20,8 +20,9 @@ class SDPABackend:
     def layer_arguments(self, layer: int, ctx: ForwardContext) -> tuple | None:
         return None
 
-    def run_layers(self, x: torch.Tensor, rope: dict, ctx: ForwardContext, num_layers: int | None) -> torch.Tensor | None:
-        """The model's layers over x in one native call, where this backend runs the step whole (cpu_native); else None."""
+    def run_layers(self, x: torch.Tensor, ctx: ForwardContext, num_layers: int | None) -> torch.Tensor | None:
+        """The model's layers and final norm over x in one native call, where this backend runs the step whole
+        (cpu_native); else None."""
         return None
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, ctx: ForwardContext, scale: float,

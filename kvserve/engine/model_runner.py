@@ -75,7 +75,7 @@ class ModelRunner:
         self.sdpa = SDPABackend(self.kv_cache)
         self.backend = NativeCPUBackend(self.kv_cache) if self.native else self.sdpa
         if self.native:
-            self.backend.stack_layers(list(self.model.layers))
+            self.backend.stack_layers(self.model)
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
 
     @torch.inference_mode()

@@ -261,8 +261,9 @@ void DecodeStep::run(const DecodeLayer& layer, const kva::KVStores& kv, int64_t 
                        lens[g].data_ptr<int64_t>(), window, slots[g].data_ptr<int64_t>(), y);
 }
 
-// A model's fused layers bound to their KV stores: a decode step's whole layer loop in one call, without a
-// Python-dispatched call (and its boxed arguments) per layer, the step's arguments checked once.
+// A model's fused layers bound to their KV stores, with its rotary tables and final norm: a decode step's whole
+// layer loop in one call, without a Python-dispatched call (and its boxed arguments) per layer or per table lookup,
+// the step's arguments checked once.
 struct DecodeStack : torch::CustomClassHolder {
     struct Entry {
         c10::intrusive_ptr<DecodeLayer> layer;
@@ -271,6 +272,8 @@ struct DecodeStack : torch::CustomClassHolder {
         int64_t checked = -1;  // the width and head size (H << 16 | D) the layer's weights were last checked against
     };
     std::vector<Entry> layers;
+    std::vector<at::Tensor> cos_tables, sin_tables;  // per rotary table: [positions, D]
+    RowNorm norm;  // the model's final norm
 
     // The next layer, its stores (NativeCPUBackend.stores), its KV group and its rotary table's index. A group's
     // layers hold blocks of one pool (the same counts, block size, heads and formats), so a step's block tables and
@@ -285,14 +288,39 @@ struct DecodeStack : torch::CustomClassHolder {
         layers.push_back({layer, kv, group, rope});
     }
 
-    // The first num_layers layers over x; per rotary table cos/sin, per KV group the step's block tables, context
-    // lengths, window and slots (checked against the group's pool).
-    at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                       const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& lens, const std::vector<int64_t>& windows,
-                       const std::vector<at::Tensor>& slots, int64_t num_layers) {
+    // The next rotary table (a layer's rope index counts them): cos and sin of every position, [positions, D].
+    void add_rope(const at::Tensor& cos, const at::Tensor& sin) {
+        TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                    cos.device().is_cpu() && sin.device().is_cpu(), "rotary tables must be fp32 [positions, D] on the CPU");
+        cos_tables.push_back(cos.contiguous()), sin_tables.push_back(sin.contiguous());
+    }
+
+    void set_norm(const at::Tensor& weight, double eps) { norm.set(weight, eps); }
+
+    // The first num_layers layers over x, then the final norm; the rotary tables' rows at `positions` [T]; per KV
+    // group the step's block tables, context lengths, window and slots (checked against the group's pool).
+    at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const std::vector<at::Tensor>& tables,
+                       const std::vector<at::Tensor>& lens, const std::vector<int64_t>& windows, const std::vector<at::Tensor>& slots,
+                       int64_t num_layers) {
         TORCH_CHECK(num_layers >= 0 && num_layers <= int64_t(layers.size()), "the stack has ", layers.size(), " layers, not ", num_layers);
+        check_rows(x, "x");
+        const int64_t T = x.size(0);
+        TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T && positions.device().is_cpu(), "one int64 position per row of x");
+        const at::Tensor pos = positions.contiguous();
+        std::vector<at::Tensor> cos, sin;  // the tables' rows of this step's positions, [T, D]
+        for (size_t r = 0; r < cos_tables.size(); ++r) {
+            const int64_t rows = cos_tables[r].size(0), D = cos_tables[r].size(1);
+            cos.push_back(at::empty({T, D}, x.options())), sin.push_back(at::empty({T, D}, x.options()));
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t p = pos.data_ptr<int64_t>()[t];
+                TORCH_CHECK(p >= 0 && p < rows, "position ", p, " is past the rotary tables' ", rows);
+                std::copy_n(cos_tables[r].data_ptr<float>() + p * D, D, cos.back().data_ptr<float>() + t * D);
+                std::copy_n(sin_tables[r].data_ptr<float>() + p * D, D, sin.back().data_ptr<float>() + t * D);
+            }
+        }
         const DecodeStep step(x, cos, sin, tables, lens, slots);
         TORCH_CHECK(windows.size() == tables.size(), "one window per KV group");
+        norm.check(step.H, "the final norm");
         std::vector<bool> checked_groups(tables.size());
         for (int64_t i = 0; i < num_layers; ++i) {
             Entry& e = layers[i];
@@ -303,6 +331,7 @@ struct DecodeStack : torch::CustomClassHolder {
         at::Tensor y = x.clone();
         for (int64_t i = 0; i < num_layers; ++i)
             step.run(*layers[i].layer, *layers[i].kv, layers[i].rope, layers[i].group, windows[layers[i].group], y.data_ptr<float>());
+        norm.apply(y.data_ptr<float>(), T, step.H, step.H);
         return y;
     }
 };
@@ -383,6 +412,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.class_<DecodeStack>("DecodeStack")  // after DecodeLayer: add takes one
         .def(torch::init<>())
         .def("add", &DecodeStack::add)
+        .def("add_rope", &DecodeStack::add_rope)
+        .def("set_norm", &DecodeStack::set_norm)
         .def("forward", &DecodeStack::forward);
     m.class_<FeatureDraft>("FeatureDraft")
         .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, std::vector<at::Tensor>, std::vector<int64_t>,

@@ -40,11 +40,11 @@ class CausalLM(nn.Module):
         """Hidden states [T, hidden] for the step's flattened tokens (after the first num_layers layers: a
         self-speculative draft)."""
         x = self.embed(input_ids)
+        stacked = ctx.backend.run_layers(x, ctx, num_layers)  # the final norm included
+        if stacked is not None:
+            return stacked
         tables = {r: r.tables(ctx.positions, x.dtype) for r in self._rotary_modules}
         rope = {kind: tables[r] for kind, r in self.rotary.items()}
-        stacked = ctx.backend.run_layers(x, rope, ctx, num_layers)
-        if stacked is not None:
-            return self.norm(stacked)
         for layer in itertools.islice(self.layers, num_layers):  # a ModuleList slice builds a new list: 60 us a step
             x = layer(x, rope, ctx)
         return self.norm(x)

@@ -160,6 +160,14 @@ class FirstLayers(torch.nn.Module):
     def layers(self) -> torch.nn.ModuleList:
         return self.target.layers[:self.num_layers]
 
+    @property
+    def rotary(self) -> dict:
+        return self.target.rotary
+
+    @property
+    def norm(self) -> torch.nn.Module:
+        return self.target.norm
+
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         return self.target(input_ids, ctx, self.num_layers)
 
