@@ -27,7 +27,7 @@ class NativeCPUBackend(SDPABackend):
         self.writes = isinstance(written, FloatFormat) and (residual or isinstance(layout.v_format, FloatFormat))
         self.stack, self.stack_rows, self.stack_depth = None, 0, 0
 
-    def stack_layers(self, model) -> None:
+    def stack_layers(self, model: torch.nn.Module) -> None:
         """Bind a model's fused decoder layers (models/llama.py: DecoderLayer.fuse), all of them, to their stores,
         with its rotary tables and final norm: then a step this backend runs whole runs the layer loop and the norm
         in one native call (kernels/decode_layer.cpp: DecodeStack)."""
