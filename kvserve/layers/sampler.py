@@ -19,9 +19,6 @@ class SamplingBatch:
     num_prompt: list[int]
     guesses: list[list[int]]
 
-    def prompt_ids(self, i: int) -> list[int]:
-        return self.token_ids[i][: self.num_prompt[i]]
-
     def output_ids(self, i: int) -> list[int]:
         return self.token_ids[i][self.num_prompt[i]:] + self.guesses[i]
 
@@ -102,7 +99,7 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         p, row = batch.params[i], logits[i]
         output_ids = batch.output_ids(i)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(batch.prompt_ids(i)) | set(output_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(batch.token_ids[i]) | set(batch.guesses[i])), dtype=torch.long)  # prompt and output
             if len(seen):
                 values = row[seen]
                 row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
