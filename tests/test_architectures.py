@@ -80,7 +80,7 @@ def test_sliding_groups_hold_only_their_window(tiny_sliding_dir):
     while engine.has_unfinished_requests():
         engine.step()
         for seq in (s for seqs in engine.requests.values() for s in seqs):
-            for table, window in zip(seq.block_tables, windows):
+            for table, window in zip(seq.block_tables.ids.tolist(), windows):
                 live = [b for b in table if b != -1]
                 assert table[len(table) - len(live):] == live  # NULLs only lead
                 if window:

@@ -20,8 +20,7 @@ def check_invariants(engine) -> None:
     kv = engine.kv_manager
     owners: dict[int, int] = {}
     for seq in (s for seqs in engine.requests.values() for s in seqs):
-        assert len({len(t) for t in seq.block_tables}) == 1
-        for table, window in zip(seq.block_tables, kv.windows):
+        for table, window in zip(seq.block_tables.ids.tolist(), kv.windows):
             live = [b for b in table if b != -1]
             assert table[len(table) - len(live):] == live and (window or len(live) == len(table))  # NULLs only lead
             if window:  # the window's blocks and a step's tokens, no more
@@ -35,6 +34,7 @@ def check_invariants(engine) -> None:
         for block in pool.blocks:
             assert block.ref_count == owners.get(block.id, 0), f"block {block.id} ref count {block.ref_count}"
             assert (block.ref_count == 0) == (block.id in pool.free_ids)
+        assert all(type(i) is int for i in pool.free_ids)  # no NumPy integer leaked from a block table
         assert pool.num_cached_free == sum(1 for i in pool.free_ids if pool.block(i).hash is not None)
         assert all(pool.block(i).hash == h for h, i in pool.cached.items())
     assert not kv.residual or not kv.residual.cached  # float residual blocks are never shared
@@ -100,3 +100,18 @@ def test_random_workloads_never_leak_or_deadlock(engines, num_blocks, budget, mo
     assert speculative is None or getattr(engine.proposer, "kv", kv).pool.num_used == 0  # a draft's shadows let go
     assert not kv.residual or kv.residual.num_used == 0
     assert not engine.requests
+
+
+def test_block_table_grows_truncates_and_writes_through_its_rows():
+    from kvserve.kv.block_table import NULL, BlockTable
+
+    table = BlockTable(2)
+    for i in range(40):  # past the first capacity, so the array grows while rows keep their values
+        table.extend([[i], [100 + i]])
+    assert len(table) == 40 and table[0].tolist() == list(range(40)) and table[1].tolist() == list(range(100, 140))
+    table[1][0] = NULL  # a row is a view of the table
+    assert table.ids[1, 0] == NULL and table.num_held() == 79
+    assert table.truncate(38) == [[38, 39], [138, 139]] and len(table) == 38
+    table.assign([[7, 8], [9, NULL]])
+    assert table.ids.tolist() == [[7, 8], [9, NULL]] and [row.tolist() for row in table] == [[7, 8], [9, NULL]]
+    assert table.truncate(0) == [[7, 8], [9, NULL]] and len(table) == 0 and table.num_held() == 0

@@ -156,9 +156,7 @@ class ModelRunner:
         real_counts = np.array(batch.num_tokens)
         counts = real_counts + np.array(batch.padding) if batch.padding else real_counts
         offsets = np.cumsum(counts) - counts
-        width = max(len(s.block_tables[0]) for s in batch.seqs)
-        tables = [np.array([s.block_tables[g] + [0] * (width - len(s.block_tables[g])) for s in batch.seqs]).clip(min=0)
-                  for g in range(len(batch.seqs[0].block_tables))]  # blocks a sliding group freed (-1) read block 0, masked
+        tables = _batch_tables(batch.seqs)
         input_ids = torch.tensor([t for s, n, c in zip(batch.seqs, batch.num_tokens, counts.tolist())
                                   for t in _step_tokens(s, n) + [0] * (c - n)])
         owner = np.repeat(np.arange(len(batch)), counts)
@@ -207,6 +205,17 @@ def _collect_votes(inputs: StepInputs, seqs: list[Sequence], num_layers: int) ->
             if int(group.score_from[b]) != NO_VOTES:
                 votes[seqs[row]] = stacked[b]
     return votes
+
+
+def _batch_tables(seqs: list[Sequence]) -> list[np.ndarray]:
+    """Each group's block tables of the batch, [batch, blocks], padded with block 0; so are the entries of blocks a
+    sliding group gave back (NULL): attention masks them."""
+    if len(seqs) == 1:
+        return list(np.maximum(seqs[0].block_tables.ids, 0)[:, None])
+    tables = np.zeros((len(seqs[0].block_tables.ids), len(seqs), max(len(s.block_tables) for s in seqs)), dtype=np.int64)
+    for i, seq in enumerate(seqs):
+        tables[:, i, :len(seq.block_tables)] = seq.block_tables.ids
+    return list(np.maximum(tables, 0, out=tables))
 
 
 def _queries_per_token(split: np.ndarray, starts, counts, offsets, tables: list[np.ndarray]):

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from kvserve.kv.block_table import BlockTable
 from kvserve.kv.policies import UNBOUNDED, KVPolicy
 from kvserve.outputs import RequestMetrics, TokenLogprob
 from kvserve.sampling_params import SamplingParams
@@ -39,7 +40,7 @@ class Sequence:
         self.num_evicted_tokens = 0  # computed tokens whose K/V the policy evicted
         self.kv_votes: torch.Tensor | None = None  # a voting policy's accumulated votes, [layers, kv heads, slots]
         self.token_limit = token_limit  # prompt + output tokens at most
-        self.block_tables: list[list[int]] = [[] for _ in range(num_kv_groups)]
+        self.block_tables = BlockTable(num_kv_groups)
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids, filled lazily
         self.num_hashed_blocks = 0  # leading blocks of the tables registered in the prefix cache
         self.num_packed_blocks = 0  # kivi2: leading blocks already packed (the rest are float residual blocks)

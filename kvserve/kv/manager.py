@@ -18,11 +18,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+import numpy as np
+
 from kvserve.engine.sequence import Sequence
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.block_table import NULL
 from kvserve.kv.spec import KVLayout
-
-NULL = -1  # a block-table entry whose block a sliding group gave back
 
 
 class KVManager:
@@ -61,7 +62,7 @@ class KVManager:
 
     def allocate_cached_prefix(self, seq: Sequence) -> int:
         """Point a new sequence's block tables at the longest cached prefix; returns the tokens reused."""
-        assert not any(seq.block_tables) and seq.num_computed_tokens == 0
+        assert not len(seq.block_tables) and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # scoring needs every position's logits
             return 0
         self._hash_full_blocks(seq)
@@ -80,12 +81,12 @@ class KVManager:
         while hit and not all(lookup(g, i) is not None for g, w in enumerate(self.windows) if w
                               for i in range(self._first_needed(hit * bs, w), hit)):
             hit -= 1  # a sliding group needs the blocks of the window before the first uncomputed token
-        for g, (table, w) in enumerate(zip(seq.block_tables, self.windows)):
-            first = self._first_needed(hit * bs, w)
-            table.extend([NULL] * first)
-            for i in range(first, hit):
+        columns = np.full((self.num_groups, hit), NULL)
+        for g, w in enumerate(self.windows):
+            for i in range(self._first_needed(hit * bs, w), hit):
                 self.pool.take(found[g, i])
-                table.append(found[g, i])
+                columns[g, i] = found[g, i]
+        seq.block_tables.extend(columns)
         seq.num_hashed_blocks = seq.num_packed_blocks = hit
         seq.num_computed_tokens = hit * bs
         return seq.num_computed_tokens
@@ -98,9 +99,10 @@ class KVManager:
         """Give back the blocks of sliding groups that no query from the next uncomputed token on reads."""
         for table, window in zip(seq.block_tables, self.windows):
             for i in range(min(self._first_needed(seq.num_computed_tokens, window), len(table)) - 1, -1, -1):
-                if table[i] == NULL:  # given back already, and everything before it
+                block_id = int(table[i])
+                if block_id == NULL:  # given back already, and everything before it
                     break
-                self._pool_of(table[i]).release(table[i])
+                self._pool_of(block_id).release(block_id)
                 table[i] = NULL
 
     def can_hold_prompt(self, seq: Sequence) -> bool:
@@ -110,20 +112,18 @@ class KVManager:
         if seq.policy is not None:
             held_later = seq.policy.max_slots(seq.num_tokens, self.chunk_tokens, self.block_size)
         packed_later = max(0, held_later - self.layout.residual_tokens) if self.residual else held_later
-        held = sum(len(table) - table.count(NULL) for table in seq.block_tables)
-        return self.blocks_for(packed_later) - held <= self.pool.num_free
+        return self.blocks_for(packed_later) - seq.block_tables.num_held() <= self.pool.num_free
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens (after giving back blocks that slid out of a window); False,
         allocating nothing, if the pool is short."""
         self.slide(seq)
-        new = -(-(seq.num_slots + num_new_tokens) // self.block_size) - len(seq.block_tables[0])
+        new = -(-(seq.num_slots + num_new_tokens) // self.block_size) - len(seq.block_tables)
         pool = self.residual or self.pool  # kivi2: new tokens are written in float
         if new * self.num_groups > pool.num_free:
             return False
-        for _ in range(new):
-            for table in seq.block_tables:
-                table.append(pool.allocate())
+        if new > 0:  # block by block, every group's in turn
+            seq.block_tables.extend(np.array([pool.allocate() for _ in range(new * self.num_groups)]).reshape(new, -1).T)
         return True
 
     def compact(self, seq: Sequence, kept: int) -> tuple[list[list[int]], list[list[int]]] | None:
@@ -137,7 +137,8 @@ class KVManager:
         used, needed = -(-seq.num_slots // bs), -(-kept // bs)
         exclusive = lambda b: pool.block(b).ref_count == 1 and pool.block(b).hash is None  # noqa: E731
         plans, new, uncached = [], 0, []  # per table: its kept blocks (None: a new one goes there); blocks leaving the cache
-        for table in seq.block_tables:
+        tables = seq.block_tables.ids.tolist()
+        for table in tables:
             spare, plan = [b for b in table[needed:] if exclusive(b)], []
             for block_id in table[:needed]:
                 if exclusive(block_id):
@@ -153,15 +154,17 @@ class KVManager:
                 else:
                     return None
             plans.append(plan)
-        sources = [table[:used] for table in seq.block_tables]
+        sources = [table[:used] for table in tables]
         for block_id in uncached:
             pool.forget(block_id)
-        for table, plan in zip(seq.block_tables, plans):
+        dests = []  # group by group, as the runner moves them: a group's new blocks are never a later group's sources
+        for table, plan in zip(tables, plans):
             for block_id in table:
                 if block_id not in plan:
                     pool.release(block_id)
-            table[:] = [pool.allocate() if b is None else b for b in plan]
-        return sources, [list(t) for t in seq.block_tables]
+            dests.append([pool.allocate() if b is None else b for b in plan])
+        seq.block_tables.assign(dests)
+        return sources, dests
 
     def pack_aged(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """kivi2: move each sequence's residual blocks that are now old enough to main blocks, while the pool
@@ -174,8 +177,8 @@ class KVManager:
                 if self.pool.num_free < self.num_groups:
                     return packs
                 for table in seq.block_tables:
-                    src, table[i] = table[i], self.pool.allocate()
-                    packs.append((src, table[i]))
+                    src, table[i] = int(table[i]), self.pool.allocate()
+                    packs.append((src, int(table[i])))
                     self.residual.release(src)
                 seq.num_packed_blocks = i + 1
                 if self.enable_prefix_caching:
@@ -191,17 +194,15 @@ class KVManager:
         full, partial = divmod(min(parent.num_computed_tokens, parent.num_prompt_tokens), self.block_size)
         copies = []
         if partial:
-            pool = self._pool_of(parent.block_tables[0][full])
+            pool = self._pool_of(int(parent.block_tables[0][full]))
             if pool.num_free < self.num_groups:
                 return None
-            copies = [(table[full], pool.allocate()) for table in parent.block_tables]
-        for table, child_table in zip(parent.block_tables, child.block_tables):
-            for block_id in table[:full]:
-                if block_id != NULL:
-                    self._pool_of(block_id).take(block_id)
-            child_table.extend(table[:full])
-        for child_table, (_, copy) in zip(child.block_tables, copies):
-            child_table.append(copy)
+            copies = [(int(table[full]), pool.allocate()) for table in parent.block_tables]
+        shared = parent.block_tables.ids[:, :full]
+        for block_id in shared.ravel().tolist():
+            if block_id != NULL:
+                self._pool_of(block_id).take(block_id)
+        child.block_tables.extend(np.concatenate([shared, [[copy] for _, copy in copies]], 1) if copies else shared)
         child.block_hashes = parent.block_hashes[:full]
         child.num_hashed_blocks, child.num_packed_blocks = min(parent.num_hashed_blocks, full), min(parent.num_packed_blocks, full)
         child.num_computed_tokens, child.num_shared_tokens = full * self.block_size + partial, full * self.block_size
@@ -209,10 +210,8 @@ class KVManager:
 
     def truncate(self, seq: Sequence) -> None:
         """Give back the blocks past the one its next token goes to (rejected guesses filled them)."""
-        keep = -(-(seq.num_slots + 1) // self.block_size)
-        for table in seq.block_tables:
-            while len(table) > keep:
-                block_id = table.pop()
+        for removed in seq.block_tables.truncate(-(-(seq.num_slots + 1) // self.block_size)):
+            for block_id in reversed(removed):
                 self._pool_of(block_id).release(block_id)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -227,20 +226,19 @@ class KVManager:
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks go to the free queue first, so they are evicted before the prefix they extend.
-        for table in seq.block_tables:
-            for block_id in reversed(table):
+        for removed in seq.block_tables.truncate(0):
+            for block_id in reversed(removed):
                 if block_id != NULL:
                     self._pool_of(block_id).release(block_id)
-            table.clear()
         seq.num_hashed_blocks = seq.num_packed_blocks = 0
 
     def swap_out(self, seq: Sequence) -> list[int]:
         """Free the sequence's blocks, remembering which pool each came from (None: a NULL entry); returns the
         blocks whose values must be copied out first (those of computed tokens, every group in turn)."""
-        used = -(-seq.num_slots // self.block_size)
-        ids = [block_id for table in seq.block_tables for block_id in table[:used] if block_id != NULL]
-        seq.swapped_kinds = [[None if b == NULL else self.residual is not None and b in self.residual for b in table[:used]]
-                             for table in seq.block_tables]
+        tables = seq.block_tables.ids[:, :-(-seq.num_slots // self.block_size)].tolist()
+        ids = [block_id for table in tables for block_id in table if block_id != NULL]
+        seq.swapped_kinds = [[None if b == NULL else self.residual is not None and b in self.residual for b in table]
+                             for table in tables]
         self.free(seq)
         return ids
 
@@ -252,12 +250,10 @@ class KVManager:
         if sum(k is False for ks in kinds for k in ks) > self.pool.num_free or \
                 (self.residual and residual_needed > self.residual.num_free):
             return None
-        ids = []
-        for table, table_kinds in zip(seq.block_tables, kinds):
-            for is_residual in table_kinds:
-                table.append(NULL if is_residual is None else (self.residual if is_residual else self.pool).allocate())
-                if table[-1] != NULL:
-                    ids.append(table[-1])
+        tables = [[NULL if is_residual is None else (self.residual if is_residual else self.pool).allocate() for is_residual in table_kinds]
+                  for table_kinds in kinds]
+        seq.block_tables.extend(tables)
+        ids = [block_id for table in tables for block_id in table if block_id != NULL]
         seq.num_packed_blocks = next((i for i, r in enumerate(kinds[0]) if r), len(kinds[0]))
         seq.swapped_kinds = None
         return ids
@@ -298,9 +294,9 @@ class KVManager:
 
     def _register(self, seq: Sequence, i: int) -> None:
         tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-        for g, table in enumerate(seq.block_tables):
-            if table[i] != NULL:
-                self.pool.register(table[i], _group_key(seq.block_hashes[i], g), tokens)
+        for g, block_id in enumerate(seq.block_tables.ids[:, i].tolist()):
+            if block_id != NULL:
+                self.pool.register(block_id, _group_key(seq.block_hashes[i], g), tokens)
 
     def _pool_of(self, block_id: int) -> BlockPool:
         return self.pool if block_id in self.pool else self.residual

@@ -199,7 +199,7 @@ class AsyncEngine:
         owners: dict[int, list[str]] = {}
         compacted = set()  # blocks of requests whose policy evicted tokens: they hold the kept ones, not a run of positions
         for seq in (s for seqs in engine.requests.values() for s in seqs):
-            for block_id in {b for table in seq.block_tables for b in table}:
+            for block_id in set(seq.block_tables.ids.ravel().tolist()):
                 owners.setdefault(block_id, []).append(seq.request_id)
                 if seq.num_evicted_tokens:
                     compacted.add(block_id)
