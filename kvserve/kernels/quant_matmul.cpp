@@ -246,6 +246,7 @@ void quantize_activations(int type, const float* x, int64_t M, int64_t K, Prepar
     const int offset = info(type).offset;
     const int64_t n = M * (K / 32);  // entry i: x + 32 * i
     p.q.resize(32 * n), p.xs.resize(n), p.xsum.resize(n), p.corr_lo.resize(n), p.corr_hi.resize(n);
+    int8_t* q = p.q.data();
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t i = 0; i < n; ++i) {
         const float* xu = x + 32 * i;
@@ -255,17 +256,14 @@ void quantize_activations(int type, const float* x, int64_t M, int64_t K, Prepar
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         const float scale = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f;
         const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        int32_t q[32];
-        for (int k = 0; k < 4; ++k) {  // round half to even, as std::nearbyint and torch.round
-            const __m256 y = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xu + 8 * k), _mm256_set1_ps(inv)),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * k), _mm256_cvtps_epi32(y));
-        }
-        int32_t lo = 0, hi = 0;
-        for (int j = 0; j < 16; ++j) {
-            p.q[32 * i + j] = static_cast<int8_t>(q[j]), lo += q[j];
-            p.q[32 * i + 16 + j] = static_cast<int8_t>(q[16 + j]), hi += q[16 + j];
-        }
+        __m256i v[4];
+        for (int k = 0; k < 4; ++k)  // round half to even, as std::nearbyint and torch.round
+            v[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xu + 8 * k), _mm256_set1_ps(inv)),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        // |v| <= 127, so the saturating packs are exact; they interleave 4-value groups, which the permute undoes
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * i), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const int32_t lo = hsum_epi32(_mm256_add_epi32(v[0], v[1])), hi = hsum_epi32(_mm256_add_epi32(v[2], v[3]));
         p.xs[i] = scale, p.xsum[i] = scale * float(lo + hi), p.corr_lo[i] = offset * lo, p.corr_hi[i] = offset * hi;
     }
 }

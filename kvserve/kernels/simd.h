@@ -2,6 +2,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cstdint>
+
 // exp(x) for x in [-87, 88], Cephes-style: 2^n * p(r), relative error ~1e-7.
 inline __m256 exp_ps(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
@@ -23,3 +25,9 @@ inline float hsum(__m128 s) {
 }
 
 inline float hsum(__m256 v) { return hsum(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
+
+inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
