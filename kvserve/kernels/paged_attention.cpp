@@ -182,6 +182,17 @@ struct Store {
             l1 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
     }
 
+    // Reads a byte of each of block b's lines, in order, before its rows are read head by head (kvh rows apart): the
+    // misses then come as an ascending run, which the hardware prefetcher follows, where the strided rows alone got
+    // half a plain read's bandwidth and software prefetches did not help (ad-hoc, 46 MB of fp16 blocks of 3 heads on
+    // one core: 12.8 GB/s strided, 20.9 touched first, 24.1 read in order).
+    void touch(int64_t b) const {
+        if (format > BF16) return;
+        const int64_t bytes = bs * kvh * dim * (format == F32 ? 4 : 2);
+        for (const char* p = reinterpret_cast<const char*>(data) + b * bytes, *end = p + bytes; p < end; p += 64)
+            (void)*reinterpret_cast<const volatile char*>(p);
+    }
+
     // Row (block b, offset o, head g) as D floats in out.
     void dequant_row(int64_t b, int64_t o, int64_t g, const float* channel_scale, const float* channel_min, float* out) const {
         const int64_t row = (b * bs + o) * kvh + g, D = dim, G = D / GROUP;
@@ -337,6 +348,11 @@ struct KVStores {
         if (id >= num_main) r.prefetch(id - num_main, l1);
         else m.prefetch(id, l1);
     }
+
+    void touch(const Store& m, const Store& r, int64_t id) const {
+        if (id >= num_main) r.touch(id - num_main);
+        else m.touch(id);
+    }
 };
 
 std::shared_ptr<const KVStores> kv_stores(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v, int64_t k_format,
@@ -472,9 +488,11 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
             for (int64_t t = t0, n; t < t1; t += n) {  // a window starts anywhere in a block: o rows of it are skipped
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
-                // the blocks of a table lie anywhere: ask for the next K block, and this V block for the pass below
+                // the blocks of a table lie anywhere: ask for the next K block, and this V block for the pass below;
+                // touch this K block's lines in order
                 if (t + n < t1) s.prefetch(ks, rks, tp[b * W + (t + n) / bs], true);
                 s.prefetch(vs, rvs, tp[b * W + t / bs], false);
+                s.touch(ks, rks, tp[b * W + t / bs]);
                 for (int64_t g = 0; g < KVH; ++g)
                     with_block_rows(ks, rks, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
                         float* s = scores.data() + g * G * stride + t - t0;
@@ -492,6 +510,7 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
             for (int64_t t = t0, n; t < t1; t += n) {
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
+                s.touch(vs, rvs, tp[b * W + t / bs]);
                 for (int64_t g = 0; g < KVH; ++g)
                     with_block_rows(vs, rvs, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
                         const float* p = scores.data() + g * G * stride + t - t0;
