@@ -157,6 +157,27 @@ def test_native_decode_equals_attention_over_dequantized_copy(k_dtype, v_dtype):
         torch.testing.assert_close(out[b], _reference(cache, tables[b], q[b:b + 1], [n - 1])[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
+@pytest.mark.parametrize("k_dtype,v_dtype", [("int8", "int8"), ("float16", "int8"), ("int8", "float32")], ids=lambda d: d)
+def test_native_decode_writes_new_tokens_as_the_format_quantizes_them(k_dtype, v_dtype):
+    """A decode step's new K/V, written by the kernel (float and int8 stores), are byte for byte what the format's own
+    quantize_tokens writes, so the native and the Python paths leave the same cache."""
+    layout = build_layout(SPEC, k_dtype, v_dtype, BS)
+    native, python = (KVCache(layout, 4, 0, torch.float32) for _ in range(2))
+    steps = 64
+    k, v = _values(steps, 2, 64), _values(steps, 2, 64) * 1e-3
+    k[5, 0, :32] = 0.0  # an all-zero group: scale 0
+    slots = torch.randperm(4 * BS, generator=G)[:steps]
+    python.write(0, k, v, slots)
+    stores = NativeCPUBackend(native).stores[0]
+    tables = torch.arange(4).repeat(steps, 1)  # every row sees the whole pool; its new token sits at its slot
+    native_ops().paged_decode_attention(torch.randn(steps, 6, 64, generator=G), stores[0], stores[1], tables, slots + 1, 1 / 8,
+                                        *stores[2:], 0, k, v, slots)
+    for store in ("k", "v"):
+        for name, part in getattr(python, store)[0].items():
+            assert torch.equal(getattr(native, store)[0][name], part), (store, name)
+
+
 @pytest.mark.parametrize("k_dtype,v_dtype", DTYPES, ids=lambda d: d)
 def test_prefill_chunks_attend_over_dequantized_copy(k_dtype, v_dtype):
     cache, tables = _filled_cache(k_dtype, v_dtype)

@@ -167,6 +167,8 @@ inline __m256 load8_u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvte
 inline __m256 load8_i8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
 inline float half(const c10::Half* p) { return static_cast<float>(*p); }
 
+int64_t row_bytes(int format, int64_t D);
+
 // One layer's K or V store: parts[0] holds the values ([blocks, block_size, KVH, ...]), parts[1] the scales.
 struct Store {
     int format;
@@ -182,13 +184,12 @@ struct Store {
             l1 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
     }
 
-    // Reads a byte of each of block b's lines, in order, before its rows are read head by head (kvh rows apart): the
-    // misses then come as an ascending run, which the hardware prefetcher follows, where the strided rows alone got
-    // half a plain read's bandwidth and software prefetches did not help (ad-hoc, 46 MB of fp16 blocks of 3 heads on
-    // one core: 12.8 GB/s strided, 20.9 touched first, 24.1 read in order).
+    // Reads a byte of each of block b's lines (its values; scales are few), in order, before its rows are read head by
+    // head (kvh rows apart): the misses then come as an ascending run, which the hardware prefetcher follows, where
+    // the strided rows alone got half a plain read's bandwidth and software prefetches did not help (ad-hoc, 46 MB of
+    // fp16 blocks of 3 heads on one core: 12.8 GB/s strided, 20.9 touched first, 24.1 read in order).
     void touch(int64_t b) const {
-        if (format > BF16) return;
-        const int64_t bytes = bs * kvh * dim * (format == F32 ? 4 : 2);
+        const int64_t bytes = bs * kvh * row_bytes(format, dim);
         for (const char* p = reinterpret_cast<const char*>(data) + b * bytes, *end = p + bytes; p < end; p += 64)
             (void)*reinterpret_cast<const volatile char*>(p);
     }
@@ -306,18 +307,32 @@ Store make_store(const std::vector<at::Tensor>& parts, int64_t format, int64_t d
     return s;
 }
 
+// x's D values as int8 codes with an fp16 scale per group of GROUP, as kvserve/kv/formats/int8.py quantizes them:
+// scale = fp16(max |x| / 127), codes = x * (1 / scale) rounded half to even.
+void quantize_int8_row(const float* x, int64_t D, int8_t* codes, c10::Half* scales) {
+    for (int64_t g = 0; g < D / GROUP; ++g) {
+        const float* xg = x + g * GROUP;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < GROUP; ++i) amax = std::max(amax, std::fabs(xg[i]));
+        const float scale = float(c10::Half(amax / 127.0f)), inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        for (int64_t i = 0; i < GROUP; ++i) codes[g * GROUP + i] = int8_t(std::clamp(std::nearbyint(xg[i] * inv), -127.0f, 127.0f));
+        scales[g] = c10::Half(scale);
+    }
+}
+
 // New tokens' K or V rows (fp32, x + t * t_stride + h * h_stride) written at their rows of a float store (F32, F16
-// or BF16, rounded as torch's .to()).
+// or BF16, rounded as torch's .to()) or an int8 one.
 void write_rows(const Store& store, const float* x, int64_t t_stride, int64_t h_stride, int64_t T, const int64_t* slots, int64_t first) {
     const int64_t KVH = store.kvh, D = store.dim;
     for (int64_t t = 0; t < T; ++t)
         for (int64_t h = 0; h < KVH; ++h) {
             const float* src = x + t * t_stride + h * h_stride;
-            const int64_t at = ((slots[t] - first) * KVH + h) * D;
+            const int64_t row = (slots[t] - first) * KVH + h, at = row * D;
             void* data = const_cast<uint8_t*>(store.data);
             if (store.format == F32) std::copy(src, src + D, static_cast<float*>(data) + at);
             else if (store.format == F16) std::copy(src, src + D, static_cast<c10::Half*>(data) + at);
-            else std::copy(src, src + D, static_cast<c10::BFloat16*>(data) + at);
+            else if (store.format == BF16) std::copy(src, src + D, static_cast<c10::BFloat16*>(data) + at);
+            else quantize_int8_row(src, D, static_cast<int8_t*>(data) + at, const_cast<c10::Half*>(store.meta) + row * (D / GROUP));
         }
 }
 
@@ -341,7 +356,7 @@ struct KVStores {
     std::vector<at::Tensor> held;  // the stores' tensors: the pointers below are theirs
     Store k, v, rk, rv;
     int64_t num_main = 0, num_residual = 0;
-    bool writable = false;  // new tokens land in a float store (the residual pool's, where there is one): attend writes them
+    bool writable = false;  // new tokens land in a float or int8 store (the residual pool's, where there is one): attend writes them
 
     // Asks for block `id` of main store m, or of r, the residual pool's, whose ids follow the main pool's.
     void prefetch(const Store& m, const Store& r, int64_t id, bool l1) const {
@@ -375,7 +390,8 @@ std::shared_ptr<const KVStores> kv_stores(const std::vector<at::Tensor>& k, cons
         s->held.insert(s->held.end(), k_residual.begin(), k_residual.end());
         s->held.insert(s->held.end(), v_residual.begin(), v_residual.end());
     }
-    s->writable = s->num_residual > 0 || (k_format <= BF16 && v_format <= BF16);
+    const auto written = [](int64_t f) { return f <= BF16 || f == INT8; };
+    s->writable = s->num_residual > 0 || (written(k_format) && written(v_format));
     return s;
 }
 
@@ -402,7 +418,7 @@ void check_step(const KVStores& s, const at::Tensor& block_tables, const at::Ten
             TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < s.num_main + s.num_residual, "block id out of range");
     }
     if (slots == nullptr) return;
-    TORCH_CHECK(s.writable, "only float stores are written here");
+    TORCH_CHECK(s.writable, "only float and int8 stores are written here");
     TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous(), "slots must be contiguous int64");
     const int64_t first = s.num_residual ? s.num_main * bs : 0, rows = (s.num_residual ? s.num_residual : s.num_main) * bs;
     for (int64_t t = 0; t < slots->numel(); ++t) {
