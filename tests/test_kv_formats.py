@@ -158,9 +158,10 @@ def test_native_decode_equals_attention_over_dequantized_copy(k_dtype, v_dtype):
 
 
 @pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
-@pytest.mark.parametrize("k_dtype,v_dtype", [("int8", "int8"), ("float16", "int8"), ("int8", "float32")], ids=lambda d: d)
+@pytest.mark.parametrize("k_dtype,v_dtype", [("int8", "int8"), ("float16", "int8"), ("int8", "float32"), ("int4", "int4"), ("int4", "int8")],
+                         ids=lambda d: d)
 def test_native_decode_writes_new_tokens_as_the_format_quantizes_them(k_dtype, v_dtype):
-    """A decode step's new K/V, written by the kernel (float and int8 stores), are byte for byte what the format's own
+    """A decode step's new K/V, written by the kernel (float, int8 and int4 stores), are byte for byte what the format's own
     quantize_tokens writes, so the native and the Python paths leave the same cache."""
     layout = build_layout(SPEC, k_dtype, v_dtype, BS)
     native, python = (KVCache(layout, 4, 0, torch.float32) for _ in range(2))

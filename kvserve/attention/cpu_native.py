@@ -1,6 +1,6 @@
 """fp32 on CPU: decode queries go to kvserve.kernels, which reads each sequence's blocks in place, in any
 KV format, dequantizing in registers; prefill chunks use SDPA. A step of decodes alone
-writes its new K/V and attends in one call, over a float or an int8 cache."""
+writes its new K/V and attends in one call, over a float, int8 or int4 cache."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +10,7 @@ from kvserve.attention.sdpa import SDPABackend
 from kvserve.kernels import native_ops
 from kvserve.kv.cache import KVCache
 from kvserve.kv.formats.full import FloatFormat
+from kvserve.kv.formats.int4 import INT4
 from kvserve.kv.formats.int8 import Int8Format
 
 
@@ -25,7 +26,7 @@ class NativeCPUBackend(SDPABackend):
                         list(cache.residual_v[j].values()) if residual else [], codes[2]) for j in range(layout.layers_per_group)]
         self.windows = [g.spec.window or 0 for g in layout.groups]
         written = layout.residual_format if residual else layout.k_format  # the format new tokens land in
-        native = lambda f: isinstance(f, (FloatFormat, Int8Format))  # noqa: E731  formats the kernel writes itself
+        native = lambda f: isinstance(f, (FloatFormat, Int8Format)) or f is INT4  # noqa: E731  formats the kernel writes itself
         self.writes = native(written) and (residual or native(layout.v_format))
         self.stack, self.stack_rows, self.stack_depth = None, 0, 0
 
@@ -54,7 +55,7 @@ class NativeCPUBackend(SDPABackend):
 
     def step_arguments(self, ctx: ForwardContext) -> list[tuple] | None:
         """Per KV group, the kernel's arguments of this step (block tables, context lengths, window, slots) where it
-        writes and attends for every token: a step of decodes alone, over a float or int8 cache, with no votes."""
+        writes and attends for every token: a step of decodes alone, over a float, int8 or int4 cache, with no votes."""
         group = ctx.groups[0]
         if not (self.writes and group.in_order and group.is_decode and group.score_from is None):
             return None

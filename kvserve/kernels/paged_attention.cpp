@@ -320,8 +320,23 @@ void quantize_int8_row(const float* x, int64_t D, int8_t* codes, c10::Half* scal
     }
 }
 
+// x's D values as 4-bit codes with an fp16 scale and minimum per group of GROUP, as kvserve/kv/formats/int4.py
+// quantizes them (affine_quantize, then pack_bits: byte j of a group holds codes j and j + 16).
+void quantize_int4_row(const float* x, int64_t D, uint8_t* codes, c10::Half* meta) {
+    for (int64_t g = 0; g < D / GROUP; ++g) {
+        const float* xg = x + g * GROUP;
+        float lo = xg[0], hi = xg[0];
+        for (int64_t i = 1; i < GROUP; ++i) lo = std::min(lo, xg[i]), hi = std::max(hi, xg[i]);
+        const float scale = float(c10::Half((hi - lo) / 15.0f)), low = float(c10::Half(lo)), inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        uint8_t q[GROUP];
+        for (int64_t i = 0; i < GROUP; ++i) q[i] = uint8_t(std::clamp(std::nearbyint((xg[i] - low) * inv), 0.0f, 15.0f));
+        for (int64_t j = 0; j < GROUP / 2; ++j) codes[g * GROUP / 2 + j] = uint8_t(q[j] | q[j + GROUP / 2] << 4);
+        meta[2 * g] = c10::Half(scale), meta[2 * g + 1] = c10::Half(low);
+    }
+}
+
 // New tokens' K or V rows (fp32, x + t * t_stride + h * h_stride) written at their rows of a float store (F32, F16
-// or BF16, rounded as torch's .to()) or an int8 one.
+// or BF16, rounded as torch's .to()), an int8 or an int4 one.
 void write_rows(const Store& store, const float* x, int64_t t_stride, int64_t h_stride, int64_t T, const int64_t* slots, int64_t first) {
     const int64_t KVH = store.kvh, D = store.dim;
     for (int64_t t = 0; t < T; ++t)
@@ -332,7 +347,8 @@ void write_rows(const Store& store, const float* x, int64_t t_stride, int64_t h_
             if (store.format == F32) std::copy(src, src + D, static_cast<float*>(data) + at);
             else if (store.format == F16) std::copy(src, src + D, static_cast<c10::Half*>(data) + at);
             else if (store.format == BF16) std::copy(src, src + D, static_cast<c10::BFloat16*>(data) + at);
-            else quantize_int8_row(src, D, static_cast<int8_t*>(data) + at, const_cast<c10::Half*>(store.meta) + row * (D / GROUP));
+            else if (store.format == INT8) quantize_int8_row(src, D, static_cast<int8_t*>(data) + at, const_cast<c10::Half*>(store.meta) + row * (D / GROUP));
+            else quantize_int4_row(src, D, static_cast<uint8_t*>(data) + row * D / 2, const_cast<c10::Half*>(store.meta) + row * (D / GROUP) * 2);
         }
 }
 
@@ -356,7 +372,7 @@ struct KVStores {
     std::vector<at::Tensor> held;  // the stores' tensors: the pointers below are theirs
     Store k, v, rk, rv;
     int64_t num_main = 0, num_residual = 0;
-    bool writable = false;  // new tokens land in a float or int8 store (the residual pool's, where there is one): attend writes them
+    bool writable = false;  // new tokens land in a float, int8 or int4 store (the residual pool's, where there is one): attend writes them
 
     // Asks for block `id` of main store m, or of r, the residual pool's, whose ids follow the main pool's.
     void prefetch(const Store& m, const Store& r, int64_t id, bool l1) const {
@@ -390,7 +406,7 @@ std::shared_ptr<const KVStores> kv_stores(const std::vector<at::Tensor>& k, cons
         s->held.insert(s->held.end(), k_residual.begin(), k_residual.end());
         s->held.insert(s->held.end(), v_residual.begin(), v_residual.end());
     }
-    const auto written = [](int64_t f) { return f <= BF16 || f == INT8; };
+    const auto written = [](int64_t f) { return f <= BF16 || f == INT8 || f == INT4; };
     s->writable = s->num_residual > 0 || (written(k_format) && written(v_format));
     return s;
 }
@@ -418,7 +434,7 @@ void check_step(const KVStores& s, const at::Tensor& block_tables, const at::Ten
             TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < s.num_main + s.num_residual, "block id out of range");
     }
     if (slots == nullptr) return;
-    TORCH_CHECK(s.writable, "only float and int8 stores are written here");
+    TORCH_CHECK(s.writable, "only float, int8 and int4 stores are written here");
     TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous(), "slots must be contiguous int64");
     const int64_t first = s.num_residual ? s.num_main * bs : 0, rows = (s.num_residual ? s.num_residual : s.num_main) * bs;
     for (int64_t t = 0; t < slots->numel(); ++t) {
