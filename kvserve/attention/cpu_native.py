@@ -11,7 +11,7 @@ from kvserve.kernels import native_ops
 from kvserve.kv.cache import KVCache
 from kvserve.kv.formats.full import FloatFormat
 from kvserve.kv.formats.int4 import INT4
-from kvserve.kv.formats.int8 import Int8Format
+from kvserve.kv.formats.int8 import INT8
 
 
 class NativeCPUBackend(SDPABackend):
@@ -26,7 +26,7 @@ class NativeCPUBackend(SDPABackend):
                         list(cache.residual_v[j].values()) if residual else [], codes[2]) for j in range(layout.layers_per_group)]
         self.windows = [g.spec.window or 0 for g in layout.groups]
         written = layout.residual_format if residual else layout.k_format  # the format new tokens land in
-        native = lambda f: isinstance(f, (FloatFormat, Int8Format)) or f is INT4  # noqa: E731  formats the kernel writes itself
+        native = lambda f: isinstance(f, FloatFormat) or f in (INT8, INT4)  # noqa: E731  formats the kernel writes itself
         self.writes = native(written) and (residual or native(layout.v_format))
         self.stack, self.stack_rows, self.stack_depth = None, 0, 0
 
