@@ -97,13 +97,13 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     logits = logits.clone()
     for i in rows:
         p, row = batch.params[i], logits[i]
-        output_ids = batch.output_ids(i)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(batch.token_ids[i]) | set(batch.guesses[i])), dtype=torch.long)  # prompt and output
             if len(seen):
                 values = row[seen]
                 row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if output_ids and (p.presence_penalty or p.frequency_penalty):
+        output_ids = batch.output_ids(i) if p.presence_penalty or p.frequency_penalty else []
+        if output_ids:
             counts = torch.bincount(torch.tensor(output_ids), minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return logits
