@@ -248,9 +248,9 @@ def test_fused_decode_layers_give_the_module_paths_logits(matmul_dtype):
         stack.forward(x, torch.tensor([10**9]), [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([0])], len(layers))
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8_e4m3"])
 def test_quantized_caches_run_the_stack_with_the_module_paths_logits(kv_dtype):
-    """An int8 or int4 cache's decode steps run as one native call too (the kernel writes their new K/V): the same
+    """An int8, int4 or fp8 cache's decode steps run as one native call too (the kernel writes their new K/V): the same
     tokens and logprobs as fused layers and as modules."""
     llm = LLM("smollm2-135m", kv_cache_memory="64MiB", kv_cache_dtype=kv_dtype)
     assert_fused_paths_agree(llm, ["The three primary colors are", "def fibonacci(n):"], greedy(16, logprobs=2), tolerance=1e-5)

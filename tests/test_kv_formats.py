@@ -158,16 +158,19 @@ def test_native_decode_equals_attention_over_dequantized_copy(k_dtype, v_dtype):
 
 
 @pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
-@pytest.mark.parametrize("k_dtype,v_dtype", [("int8", "int8"), ("float16", "int8"), ("int8", "float32"), ("int4", "int4"), ("int4", "int8")],
+@pytest.mark.parametrize("k_dtype,v_dtype", [("int8", "int8"), ("float16", "int8"), ("int8", "float32"), ("int4", "int4"), ("int4", "int8"),
+                                             ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"), ("fp8_e4m3", "float16")],
                          ids=lambda d: d)
 def test_native_decode_writes_new_tokens_as_the_format_quantizes_them(k_dtype, v_dtype):
-    """A decode step's new K/V, written by the kernel (float, int8 and int4 stores), are byte for byte what the format's own
-    quantize_tokens writes, so the native and the Python paths leave the same cache."""
+    """A decode step's new K/V, written by the kernel (float, fp8, int8 and int4 stores), are byte for byte what the format's
+    own quantize_tokens writes, so the native and the Python paths leave the same cache."""
     layout = build_layout(SPEC, k_dtype, v_dtype, BS)
     native, python = (KVCache(layout, 4, 0, torch.float32) for _ in range(2))
     steps = 64
     k, v = _values(steps, 2, 64), _values(steps, 2, 64) * 1e-3
     k[5, 0, :32] = 0.0  # an all-zero group: scale 0
+    # past fp8's ranges (they saturate), ties between fp8 codes (to even), an fp8 subnormal, a half-precision one
+    k[6, 1, :10] = torch.tensor([448.0, 464.0, -1e4, 6e4, -1e6, 1.0625, 1.1875, 2.0 ** -8 * 1.5, 3e-7, 2.5])
     slots = torch.randperm(4 * BS, generator=G)[:steps]
     python.write(0, k, v, slots)
     stores = NativeCPUBackend(native).stores[0]
@@ -177,6 +180,22 @@ def test_native_decode_writes_new_tokens_as_the_format_quantizes_them(k_dtype, v
     for store in ("k", "v"):
         for name, part in getattr(python, store)[0].items():
             assert torch.equal(getattr(native, store)[0][name], part), (store, name)
+
+
+@pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_native_decode_reads_every_fp8_code_as_torch_does(name):
+    """One cached token per sequence: attention returns its V row, so the kernel's reading of all 256 codes (subnormals,
+    the largest, NaN) shows, against torch's own conversion."""
+    layout = build_layout(SPEC, name, name, BS)
+    cache = KVCache(layout, 2, 0, torch.float32)
+    codes = torch.arange(256, dtype=torch.uint8).view(2, 2, 64)  # [sequence, head, dim]
+    cache.v[0]["data"][:, 0] = codes  # sequence b's token at slot 0 of block b; K all code 0
+    stores = NativeCPUBackend(cache).stores[0]
+    out = native_ops().paged_decode_attention(torch.randn(2, 6, 64, generator=G), stores[0], stores[1], torch.arange(2).view(2, 1),
+                                              torch.ones(2, dtype=torch.long), 1 / 8, *stores[2:])
+    expected = codes.view(layout.v_format.dtype).float().repeat_interleave(3, dim=1)  # query heads 0-2 read KV head 0
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("k_dtype,v_dtype", DTYPES, ids=lambda d: d)

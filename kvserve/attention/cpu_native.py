@@ -1,6 +1,6 @@
 """fp32 on CPU: decode queries go to kvserve.kernels, which reads each sequence's blocks in place, in any
 KV format, dequantizing in registers; prefill chunks use SDPA. A step of decodes alone
-writes its new K/V and attends in one call, over a float, int8 or int4 cache."""
+writes its new K/V and attends in one call, over a float, fp8, int8 or int4 cache."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +9,7 @@ from kvserve.attention import ForwardContext, QueryGroup
 from kvserve.attention.sdpa import SDPABackend
 from kvserve.kernels import native_ops
 from kvserve.kv.cache import KVCache
+from kvserve.kv.formats.fp8 import FP8Format
 from kvserve.kv.formats.full import FloatFormat
 from kvserve.kv.formats.int4 import INT4
 from kvserve.kv.formats.int8 import INT8
@@ -26,7 +27,7 @@ class NativeCPUBackend(SDPABackend):
                         list(cache.residual_v[j].values()) if residual else [], codes[2]) for j in range(layout.layers_per_group)]
         self.windows = [g.spec.window or 0 for g in layout.groups]
         written = layout.residual_format if residual else layout.k_format  # the format new tokens land in
-        native = lambda f: isinstance(f, FloatFormat) or f in (INT8, INT4)  # noqa: E731  formats the kernel writes itself
+        native = lambda f: isinstance(f, FloatFormat | FP8Format) or f in (INT8, INT4)  # noqa: E731  formats the kernel writes itself
         self.writes = native(written) and (residual or native(layout.v_format))
         self.stack, self.stack_rows, self.stack_depth = None, 0, 0
 

@@ -9,6 +9,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -18,7 +20,6 @@
 #include "timer.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -151,18 +152,6 @@ std::pair<float, float> exp_scores(float* s, int64_t n) {
     return {m, sum};
 }
 
-// fp8 e4m3 (finite, no infinities) as floats, by code.
-std::array<float, 256> e4m3_table() {
-    std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) {
-        const int e = (c >> 3) & 15, m = c & 7;
-        const float v = e == 0 ? std::ldexp(float(m), -9) : (e == 15 && m == 7 ? NAN : std::ldexp(1.0f + m / 8.0f, e - 7));
-        t[c] = c & 128 ? -v : v;
-    }
-    return t;
-}
-const std::array<float, 256> E4M3_TABLE = e4m3_table();
-
 inline __m256 load8_u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
 inline __m256 load8_i8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
 inline float half(const c10::Half* p) { return static_cast<float>(*p); }
@@ -212,11 +201,16 @@ struct Store {
                 }
                 break;
             }
-            case E4M3: {
+            case E4M3: {  // exponent and mantissa moved into an fp16's fields: the value / 2^8 (bias 7 against 15), subnormals too
                 const uint8_t* p = data + row * D;
+                const __m128i magnitude = _mm_set1_epi16(0x7F), sign = _mm_set1_epi16(0x80);
                 for (int64_t i = 0; i < D; i += 8) {
-                    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i)));
-                    _mm256_storeu_ps(out + i, _mm256_i32gather_ps(E4M3_TABLE.data(), idx, 4));
+                    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i)));
+                    const __m128i m = _mm_and_si128(b, magnitude);
+                    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign), 8), _mm_slli_epi16(m, 7));
+                    const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+                    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(m, magnitude)));  // 0x7F, 0xFF
+                    _mm256_storeu_ps(out + i, _mm256_blendv_ps(v, _mm256_set1_ps(NAN), nan));
                 }
                 break;
             }
@@ -335,8 +329,15 @@ void quantize_int4_row(const float* x, int64_t D, uint8_t* codes, c10::Half* met
     }
 }
 
+// x's D values as fp8 codes, as kvserve/kv/formats/fp8.py writes them: saturated at the format's largest finite
+// value (NaN stays NaN), then c10's conversion, the one torch's .to() rounds with.
+template <typename F8>
+void quantize_fp8_row(const float* x, int64_t D, uint8_t* codes, float max) {
+    for (int64_t i = 0; i < D; ++i) codes[i] = F8(std::isnan(x[i]) ? x[i] : std::clamp(x[i], -max, max)).x;
+}
+
 // New tokens' K or V rows (fp32, x + t * t_stride + h * h_stride) written at their rows of a float store (F32, F16
-// or BF16, rounded as torch's .to()), an int8 or an int4 one.
+// or BF16, rounded as torch's .to()), an fp8, int8 or int4 one.
 void write_rows(const Store& store, const float* x, int64_t t_stride, int64_t h_stride, int64_t T, const int64_t* slots, int64_t first) {
     const int64_t KVH = store.kvh, D = store.dim;
     for (int64_t t = 0; t < T; ++t)
@@ -347,6 +348,8 @@ void write_rows(const Store& store, const float* x, int64_t t_stride, int64_t h_
             if (store.format == F32) std::copy(src, src + D, static_cast<float*>(data) + at);
             else if (store.format == F16) std::copy(src, src + D, static_cast<c10::Half*>(data) + at);
             else if (store.format == BF16) std::copy(src, src + D, static_cast<c10::BFloat16*>(data) + at);
+            else if (store.format == E4M3) quantize_fp8_row<c10::Float8_e4m3fn>(src, D, static_cast<uint8_t*>(data) + at, 448.0f);
+            else if (store.format == E5M2) quantize_fp8_row<c10::Float8_e5m2>(src, D, static_cast<uint8_t*>(data) + at, 57344.0f);
             else if (store.format == INT8) quantize_int8_row(src, D, static_cast<int8_t*>(data) + at, const_cast<c10::Half*>(store.meta) + row * (D / GROUP));
             else quantize_int4_row(src, D, static_cast<uint8_t*>(data) + row * D / 2, const_cast<c10::Half*>(store.meta) + row * (D / GROUP) * 2);
         }
@@ -406,7 +409,7 @@ std::shared_ptr<const KVStores> kv_stores(const std::vector<at::Tensor>& k, cons
         s->held.insert(s->held.end(), k_residual.begin(), k_residual.end());
         s->held.insert(s->held.end(), v_residual.begin(), v_residual.end());
     }
-    const auto written = [](int64_t f) { return f <= BF16 || f == INT8 || f == INT4; };
+    const auto written = [](int64_t f) { return f <= INT4; };  // floats, fp8, int8, int4: not the 2-bit formats
     s->writable = s->num_residual > 0 || (written(k_format) && written(v_format));
     return s;
 }
@@ -434,7 +437,7 @@ void check_step(const KVStores& s, const at::Tensor& block_tables, const at::Ten
             TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < s.num_main + s.num_residual, "block id out of range");
     }
     if (slots == nullptr) return;
-    TORCH_CHECK(s.writable, "only float, int8 and int4 stores are written here");
+    TORCH_CHECK(s.writable, "only float, fp8, int8 and int4 stores are written here");
     TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous(), "slots must be contiguous int64");
     const int64_t first = s.num_residual ? s.num_main * bs : 0, rows = (s.num_residual ? s.num_residual : s.num_main) * bs;
     for (int64_t t = 0; t < slots->numel(); ++t) {
