@@ -56,7 +56,7 @@ class NativeCPUBackend(SDPABackend):
 
     def step_arguments(self, ctx: ForwardContext) -> list[tuple] | None:
         """Per KV group, the kernel's arguments of this step (block tables, context lengths, window, slots) where it
-        writes and attends for every token: a step of decodes alone, over a float, int8 or int4 cache, with no votes."""
+        writes and attends for every token: a step of decodes alone, over a float, fp8, int8 or int4 cache, with no votes."""
         group = ctx.groups[0]
         if not (self.writes and group.in_order and group.is_decode and group.score_from is None):
             return None

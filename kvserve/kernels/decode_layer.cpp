@@ -1,7 +1,7 @@
 // A Llama-family decoder layer for a step of a few rows: before attention, RMSNorm, the q/k/v projection and
 // RoPE; after it, the output projection and residual, RMSNorm, gate/up, SiLU-and-mul, down and residual (with
 // Qwen3's and Gemma 3's extra norms and Gemma's GELU where set). Where the
-// KV cache's backend can run attention natively (decodes over a float, int8 or int4 cache: it says so, and hands over its
+// KV cache's backend can run attention natively (decodes over a float, fp8, int8 or int4 cache: it says so, and hands over its
 // stores), the whole layer is one call; otherwise two calls around the backend's attention, so any KV layout
 // works. Each call replaces a dozen Python-dispatched ops with the same arithmetic (the same kernels, adds and
 // norms, in the same order), so a fused step gives the module path's numbers. A feature draft's block, all of its

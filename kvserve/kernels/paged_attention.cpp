@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -332,7 +333,8 @@ void quantize_int4_row(const float* x, int64_t D, uint8_t* codes, c10::Half* met
 // x's D values as fp8 codes, as kvserve/kv/formats/fp8.py writes them: saturated at the format's largest finite
 // value (NaN stays NaN), then c10's conversion, the one torch's .to() rounds with.
 template <typename F8>
-void quantize_fp8_row(const float* x, int64_t D, uint8_t* codes, float max) {
+void quantize_fp8_row(const float* x, int64_t D, uint8_t* codes) {
+    const float max = float(std::numeric_limits<F8>::max());
     for (int64_t i = 0; i < D; ++i) codes[i] = F8(std::isnan(x[i]) ? x[i] : std::clamp(x[i], -max, max)).x;
 }
 
@@ -348,8 +350,8 @@ void write_rows(const Store& store, const float* x, int64_t t_stride, int64_t h_
             if (store.format == F32) std::copy(src, src + D, static_cast<float*>(data) + at);
             else if (store.format == F16) std::copy(src, src + D, static_cast<c10::Half*>(data) + at);
             else if (store.format == BF16) std::copy(src, src + D, static_cast<c10::BFloat16*>(data) + at);
-            else if (store.format == E4M3) quantize_fp8_row<c10::Float8_e4m3fn>(src, D, static_cast<uint8_t*>(data) + at, 448.0f);
-            else if (store.format == E5M2) quantize_fp8_row<c10::Float8_e5m2>(src, D, static_cast<uint8_t*>(data) + at, 57344.0f);
+            else if (store.format == E4M3) quantize_fp8_row<c10::Float8_e4m3fn>(src, D, static_cast<uint8_t*>(data) + at);
+            else if (store.format == E5M2) quantize_fp8_row<c10::Float8_e5m2>(src, D, static_cast<uint8_t*>(data) + at);
             else if (store.format == INT8) quantize_int8_row(src, D, static_cast<int8_t*>(data) + at, const_cast<c10::Half*>(store.meta) + row * (D / GROUP));
             else quantize_int4_row(src, D, static_cast<uint8_t*>(data) + row * D / 2, const_cast<c10::Half*>(store.meta) + row * (D / GROUP) * 2);
         }
@@ -375,7 +377,7 @@ struct KVStores {
     std::vector<at::Tensor> held;  // the stores' tensors: the pointers below are theirs
     Store k, v, rk, rv;
     int64_t num_main = 0, num_residual = 0;
-    bool writable = false;  // new tokens land in a float, int8 or int4 store (the residual pool's, where there is one): attend writes them
+    bool writable = false;  // new tokens land in a float, fp8, int8 or int4 store (the residual pool's, where there is one): attend writes them
 
     // Asks for block `id` of main store m, or of r, the residual pool's, whose ids follow the main pool's.
     void prefetch(const Store& m, const Store& r, int64_t id, bool l1) const {
