@@ -80,10 +80,12 @@ def test_selected_rows_are_those_rows(qtype, isa):
     for ids in ([44, 0, 17, 33, 5], list(range(44, -1, -2)), list(range(45))):
         rows = native_ops().gguf_select(w, torch.tensor(ids), int(qtype), cols)
         assert torch.equal(native_ops().gguf_dequantize(rows, int(qtype), cols, torch.float32), values[ids])
+        assert torch.equal(native_ops().gguf_rows(w, torch.tensor(ids), int(qtype), cols), values[ids])  # dequantized in place
         x = torch.randn(3, cols)
         assert torch.equal(native_ops().gguf_matmul(x, rows, int(qtype), True), native_ops().gguf_matmul(x, w, int(qtype), True)[:, ids])
-    with pytest.raises(RuntimeError, match="row 45 is past 45 rows"):
-        native_ops().gguf_select(w, torch.tensor([45]), int(qtype), cols)
+    for op in (native_ops().gguf_select, native_ops().gguf_rows):
+        with pytest.raises(RuntimeError, match="row 45 is past 45 rows"):
+            op(w, torch.tensor([3, 45]), int(qtype), cols)
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])

@@ -623,6 +623,21 @@ at::Tensor gguf_select(const at::Tensor& w, const at::Tensor& ids, int64_t type,
     return out;
 }
 
+// Rows `ids` of packed rows, as fp32 [n, K]: an embedding lookup, one row at a time (no packed copy, no threads).
+at::Tensor gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type, int64_t K) {
+    const Layout L = checked_layout(type, K);
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == L.row_bytes,
+                "w must be packed rows of ", L.row_bytes, " bytes");
+    const at::Tensor index = ids.to(at::kLong).contiguous();
+    const int64_t* id = index.data_ptr<int64_t>();
+    at::Tensor out = at::empty({index.numel(), K}, w.options().dtype(at::kFloat));
+    for (int64_t i = 0; i < index.numel(); ++i) {
+        TORCH_CHECK(id[i] >= 0 && id[i] < w.size(0), "row ", id[i], " is past ", w.size(0), " rows");
+        dequantize_f32(static_cast<int>(type), w.data_ptr<uint8_t>(), L, w.size(0), id[i], id[i] + 1, out.data_ptr<float>() + i * K);
+    }
+    return out;
+}
+
 // Packed rows -> their values [N, K] in fp32 or bf16 (into `out` where given: a buffer reused across calls spares
 // the page faults of a fresh allocation).
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K, at::ScalarType dtype, const c10::optional<at::Tensor>& into) {
@@ -657,6 +672,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("gguf_pack(Tensor raw, int type) -> Tensor", &gguf_pack);
     m.def("gguf_dequantize(Tensor w, int type, int K, ScalarType dtype, Tensor? out=None) -> Tensor", &gguf_dequantize);
     m.def("gguf_select(Tensor w, Tensor ids, int type, int K) -> Tensor", &gguf_select);
+    m.def("gguf_rows(Tensor w, Tensor ids, int type, int K) -> Tensor", &gguf_rows);
     m.def("gguf_matmul(Tensor x, Tensor w, int type, bool int8_activations=False) -> Tensor", &gguf_matmul);
     m.def("kernel_isa() -> str", &kernel_isa);
     m.def("set_kernel_isa(str name) -> ()", &set_kernel_isa);

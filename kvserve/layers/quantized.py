@@ -121,8 +121,8 @@ class QuantizedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [*ids.shape, in] (an embedding lookup)."""
-        (qtype, rows), = self.select(ids.flatten()).parts
-        return native_ops().gguf_dequantize(rows, KERNEL_TYPES[qtype], self.in_features, torch.float32).view(*ids.shape, self.in_features)
+        (qtype, rows), = self.parts
+        return native_ops().gguf_rows(rows, ids.flatten(), KERNEL_TYPES[qtype], self.in_features).view(*ids.shape, self.in_features)
 
 
 def gather_on_huge_pages(weights: list[QuantizedWeight]) -> None:
