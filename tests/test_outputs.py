@@ -64,3 +64,24 @@ def test_static_baseline_rejects_n(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), scheduler="static")
     with pytest.raises(KVServeError, match="one completion per request"):
         llm.generate([1, 2, 3], SamplingParams(n=2, max_tokens=2))
+
+
+def test_streamed_text_is_transformers_decode(smollm2):
+    """Streamed text comes from the tokenizers backend's decode (faster than transformers'), so it must be what
+    transformers' decode gives: on SmolLM2's output, and on a tokenizer whose spaces transformers cleans up, which
+    keeps transformers' decode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvserve.engine.detokenizer import IncrementalDetokenizer, SerialTokenizer
+
+    out = smollm2.generate("Écris un poème: ", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    hf = smollm2.engine.checkpoint.tokenizer
+    assert out.outputs[0].text == hf.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    words = Tokenizer(models.WordPiece({w: i for i, w in enumerate(["[UNK]", "hello", "world", ",", "!"])}, unk_token="[UNK]"))
+    words.pre_tokenizer, words.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece(cleanup=False)
+    cleaned = PreTrainedTokenizerFast(tokenizer_object=words, clean_up_tokenization_spaces=True)
+    ids = cleaned.encode("hello, world!")
+    assert words.decode(ids) == "hello , world !" and SerialTokenizer(cleaned).decode_text(ids) == "hello, world!"
+    streamed = IncrementalDetokenizer(SerialTokenizer(cleaned), ids[:1])
+    assert "".join(streamed.push(i) for i in ids[1:]) == ", world!"
