@@ -174,7 +174,8 @@ class ModelRunner:
             q_starts, q_counts, q_offsets, q_tables = _queries_per_token(np.array(per_token), starts, counts, offsets, tables)
         # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
         votes = _voters(batch) if any(policies) else None
-        selections = [rows for rows in (q_counts == 1, (q_counts > 1) & (q_starts == 0), (q_counts > 1) & (q_starts > 0)) if rows.any()]
+        one = q_counts == 1
+        selections = [one] if one.all() else [rows for rows in (one, ~one & (q_starts == 0), ~one & (q_starts > 0)) if rows.any()]
         groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs, self.windows, votes) for rows in selections]
         groups[0].in_order = len(groups) == 1 and len(owner) == len(groups[0].flat_index)  # no padding, one group
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
@@ -254,24 +255,29 @@ def _group(rows: np.ndarray, starts, counts, offsets, tables: list[np.ndarray], 
     """Pad the selected sequences' queries to [B, Q]; their keys are whole blocks, masked past each query. A sliding
     group's keys start at the first block any query's window reaches, masked before each query's window."""
     start, count, offset = starts[rows], counts[rows], offsets[rows]
-    q = np.arange(int(count.max()))
-    last = np.minimum(q[None, :], count[:, None] - 1)  # padding queries repeat the last real one
-    query_pos = (start[:, None] + last)[:, :, None]
+    width = int(count.max())
+    if width == 1:  # decodes: a query each, none padding (the same arrays, a third of a batch-1 step's NumPy calls)
+        query_pos, query_index, valid, from_start = start[:, None, None], offset[:, None], None, False
+    else:
+        q = np.arange(width)
+        last = np.minimum(q[None, :], count[:, None] - 1)  # padding queries repeat the last real one
+        query_pos = (start[:, None] + last)[:, :, None]
+        query_index = offset[:, None] + last
+        valid = q[None, :] < count[:, None]
+        from_start = bool((count > 1).all() and (start == 0).all())
     num_blocks = -(-int((start + count).max()) // bs)
-    query_index = offset[:, None] + last
-    valid = q[None, :] < count[:, None]
-    from_start = bool((count > 1).all() and (start == 0).all())
     keys = {}  # window -> (first block, mask)
     for window in set(windows):
         first = 0 if window is None else max(0, int(start.min()) - window + 1) // bs
         key_pos = np.arange(first * bs, num_blocks * bs)[None, None, :]
         allowed = key_pos <= query_pos if window is None else (key_pos <= query_pos) & (key_pos > query_pos - window)
-        implicit = (from_start and (window is None or int(count.max()) <= window)) or bool(allowed.all())
+        implicit = (from_start and (window is None or width <= window)) or bool(allowed.all())
         keys[window] = first, None if implicit else torch.from_numpy(allowed[:, None])
     tensor = torch.from_numpy
-    return QueryGroup(tensor(query_index), tensor(np.flatnonzero(valid)),
+    flat = offset if valid is None else query_index[valid]
+    return QueryGroup(tensor(query_index), tensor(np.arange(len(start)) if valid is None else np.flatnonzero(valid)),
                       [tensor(np.ascontiguousarray(t[rows, keys[w][0]:num_blocks])) for t, w in zip(tables, windows)],
-                      [keys[w][1] for w in windows], tensor(query_index[valid]), [tensor(start + count - keys[w][0] * bs) for w in windows],
+                      [keys[w][1] for w in windows], tensor(flat), [tensor(start + count - keys[w][0] * bs) for w in windows],
                       from_start, tensor(votes[rows]) if votes is not None and bool((votes[rows] < count).any()) else None)
 
 
