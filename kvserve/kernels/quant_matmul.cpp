@@ -608,14 +608,21 @@ at::Tensor gguf_pack(const at::Tensor& raw, int64_t type) {
     return out;
 }
 
-// Rows `ids` of packed rows: packed rows themselves (a vocabulary's subset of an LM head, an embedding lookup).
-at::Tensor gguf_select(const at::Tensor& w, const at::Tensor& ids, int64_t type, int64_t K) {
-    const Layout L = checked_layout(type, K);
+// `ids` as contiguous int64, each checked to be a row of w (packed rows of layout L).
+static at::Tensor checked_rows(const at::Tensor& w, const at::Tensor& ids, const Layout& L) {
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == L.row_bytes,
                 "w must be packed rows of ", L.row_bytes, " bytes");
-    const at::Tensor index = ids.to(at::kLong).contiguous();
+    at::Tensor index = ids.to(at::kLong).contiguous();
     const int64_t* id = index.data_ptr<int64_t>();
     for (int64_t i = 0; i < index.numel(); ++i) TORCH_CHECK(id[i] >= 0 && id[i] < w.size(0), "row ", id[i], " is past ", w.size(0), " rows");
+    return index;
+}
+
+// Rows `ids` of packed rows: packed rows themselves (a vocabulary's subset of an LM head).
+at::Tensor gguf_select(const at::Tensor& w, const at::Tensor& ids, int64_t type, int64_t K) {
+    const Layout L = checked_layout(type, K);
+    const at::Tensor index = checked_rows(w, ids, L);
+    const int64_t* id = index.data_ptr<int64_t>();
     at::Tensor out = at::zeros({index.numel(), L.row_bytes}, w.options());
     const uint8_t* wp = w.data_ptr<uint8_t>();
     to_panels(static_cast<int>(type), L, index.numel(),
@@ -626,15 +633,11 @@ at::Tensor gguf_select(const at::Tensor& w, const at::Tensor& ids, int64_t type,
 // Rows `ids` of packed rows, as fp32 [n, K]: an embedding lookup, one row at a time (no packed copy, no threads).
 at::Tensor gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type, int64_t K) {
     const Layout L = checked_layout(type, K);
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == L.row_bytes,
-                "w must be packed rows of ", L.row_bytes, " bytes");
-    const at::Tensor index = ids.to(at::kLong).contiguous();
+    const at::Tensor index = checked_rows(w, ids, L);
     const int64_t* id = index.data_ptr<int64_t>();
     at::Tensor out = at::empty({index.numel(), K}, w.options().dtype(at::kFloat));
-    for (int64_t i = 0; i < index.numel(); ++i) {
-        TORCH_CHECK(id[i] >= 0 && id[i] < w.size(0), "row ", id[i], " is past ", w.size(0), " rows");
+    for (int64_t i = 0; i < index.numel(); ++i)
         dequantize_f32(static_cast<int>(type), w.data_ptr<uint8_t>(), L, w.size(0), id[i], id[i] + 1, out.data_ptr<float>() + i * K);
-    }
     return out;
 }
 
