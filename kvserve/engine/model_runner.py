@@ -256,14 +256,16 @@ def _group(rows: np.ndarray, starts, counts, offsets, tables: list[np.ndarray], 
     group's keys start at the first block any query's window reaches, masked before each query's window."""
     start, count, offset = starts[rows], counts[rows], offsets[rows]
     width = int(count.max())
-    if width == 1:  # decodes: a query each, none padding (the same arrays, a third of a batch-1 step's NumPy calls)
-        query_pos, query_index, valid, from_start = start[:, None, None], offset[:, None], None, False
+    if width == 1:  # decodes: a query each, none padding (the same arrays, without the padding arithmetic)
+        query_pos, query_index, from_start = start[:, None, None], offset[:, None], False
+        valid_at, flat = np.arange(len(start)), offset
     else:
         q = np.arange(width)
         last = np.minimum(q[None, :], count[:, None] - 1)  # padding queries repeat the last real one
         query_pos = (start[:, None] + last)[:, :, None]
         query_index = offset[:, None] + last
         valid = q[None, :] < count[:, None]
+        valid_at, flat = np.flatnonzero(valid), query_index[valid]
         from_start = bool((count > 1).all() and (start == 0).all())
     num_blocks = -(-int((start + count).max()) // bs)
     keys = {}  # window -> (first block, mask)
@@ -274,8 +276,7 @@ def _group(rows: np.ndarray, starts, counts, offsets, tables: list[np.ndarray], 
         implicit = (from_start and (window is None or width <= window)) or bool(allowed.all())
         keys[window] = first, None if implicit else torch.from_numpy(allowed[:, None])
     tensor = torch.from_numpy
-    flat = offset if valid is None else query_index[valid]
-    return QueryGroup(tensor(query_index), tensor(np.arange(len(start)) if valid is None else np.flatnonzero(valid)),
+    return QueryGroup(tensor(query_index), tensor(valid_at),
                       [tensor(np.ascontiguousarray(t[rows, keys[w][0]:num_blocks])) for t, w in zip(tables, windows)],
                       [keys[w][1] for w in windows], tensor(flat), [tensor(start + count - keys[w][0] * bs) for w in windows],
                       from_start, tensor(votes[rows]) if votes is not None and bool((votes[rows] < count).any()) else None)
