@@ -606,6 +606,11 @@ def test_distill_answers_past_the_prompts_are_sampled_rounds(smollm2, monkeypatc
     assert len(rounds) == 3  # one prompt, answered three times
     assert rounds[0] == smollm2.generate([chat], greedy(12), use_tqdm=False)[0].outputs[0].token_ids[:len(rounds[0])]
     assert len({tuple(r) for r in rounds}) == 3  # the sampled rounds differ from the greedy one and from each other
+    text = distill.answers(smollm2, 3, seed=0, max_tokens=12, states=True)  # each round's answer keeps its own states
+    tokens = smollm2.engine.runner.model.compute_logits(text.states).argmax(-1).tolist()
+    follows = [i for i in range(len(text.ids) - 1) if not text.starts[i + 1]]
+    assert int(text.starts.sum()) == 3 and len(text.states) == len(text.ids)
+    assert [tokens[i] for i in follows[:11]] == text.ids[1:12]  # the greedy round: each state gave the next token
 
 
 def test_distill_prompts_are_distinct_and_not_the_benchmarks():

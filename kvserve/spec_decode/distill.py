@@ -433,11 +433,17 @@ def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: 
     random.Random(seed).shuffle(prompts)
     chats = [teacher.engine.tokenize(teacher.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
              for p in prompts[:count]]
-    recorded: dict[str, list[torch.Tensor]] = {}
+    # Each answer's states go to a region of max_tokens rows of one buffer (pages never written are never resident).
+    # Kept as the step's rows, 10,000 answers' small tensors among each step's large transient ones grew the heap
+    # ~17x their size: the OOM killer took a 10,000-answer run at 19 GB, 574 answers in.
+    buffer = torch.empty(count * max_tokens, teacher.engine.checkpoint.config.hidden_size) if states else None
+    regions: dict[str, list[int]] = {}  # request id -> [its region's first row, rows written]
 
     def record(seqs, features: torch.Tensor) -> None:
         for seq, feature in zip(seqs, features):
-            recorded.setdefault(seq.request_id, []).append(feature)
+            region = regions.setdefault(seq.request_id, [len(regions) * max_tokens, 0])
+            buffer[region[0] + region[1]] = feature
+            region[1] += 1
 
     stop = teacher.engine.observe_features(record) if states else None
     ids, kept, starts = [], [], []
@@ -448,7 +454,9 @@ def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: 
                 answer = out.outputs[0].token_ids
                 if states:
                     ids += (chat + answer)[len(chat) - 1:-1]
-                    kept.append(torch.stack(recorded.pop(out.request_id)))
+                    start, rows = regions[out.request_id]
+                    assert rows == len(answer), "one recorded state per answer token"
+                    kept.append(buffer[start:start + rows])
                     starts += [True] + [False] * (len(answer) - 1)
                 else:
                     ids += chat + answer
