@@ -32,7 +32,11 @@ def test_layout_on_metrics_and_live_page(server):
     assert 60 * 2**20 < float(total.split()[-1]) <= 64 * 2**20
     state = httpx.get(f"{server}/kv/state").json()
     assert state["layout"]["bytes_per_token"] == per_token and "KV int8" in state["layout"]["description"]
-    assert len(state["blocks"]) == state["usage"]["num_blocks"] == 64 * 2**20 // (16 * per_token)
+    assert state["grid"]["blocks"] == state["grid"]["residual_from"] == state["usage"]["num_blocks"] == 64 * 2**20 // (16 * per_token)
+    # after the chat above, only its prefix's cached blocks are listed (held by no one); every other block is free
+    cached = [b for b in state["blocks"] if b["cached"]]
+    assert cached and cached == state["blocks"] and len(cached) == state["usage"]["cached_blocks"]
+    assert all(b["ref"] == 0 and not b["owners"] for b in cached) and len({b["id"] for b in cached}) == len(cached)
 
 
 def test_a_request_picks_a_kv_policy(server):

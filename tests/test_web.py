@@ -46,7 +46,11 @@ def test_chat_streams_and_grid_changes(browser):
         assert len(final) > len(partial) > 0  # it arrived in pieces
         # once finished, its full blocks stay as cached prefix blocks
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#grid .block[data-state=cached]"))
-        assert int(browser.find_element(By.ID, "total").text) > 0
+        wait.until(lambda d: not d.find_elements(By.CSS_SELECTOR, "#grid .block[data-state=used]"))  # painted back to free
+        total = int(browser.find_element(By.ID, "total").text)
+        assert total > 0 and len(browser.find_elements(By.CSS_SELECTOR, "#grid .block")) == total
+        cached = len(browser.find_elements(By.CSS_SELECTOR, "#grid .block[data-state=cached]"))
+        assert cached == int(browser.find_element(By.ID, "cached").text)
 
 
 def test_page_takes_the_api_key(browser):

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.kv.block_table import NULL
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.metrics import Metrics
@@ -195,20 +196,25 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, batch)
 
     def _snapshot(self) -> dict:
+        """The pool's blocks (ids: the main pool's, then the residual pool's) that are held or cached; the others are
+        free. Only those are listed: it runs on the engine thread, and a dict per block of a small model's pool
+        (262,144 blocks in 1 GiB) took 4 s a snapshot and 19 MB of JSON."""
         engine, kv = self.engine, self.engine.kv_manager
         owners: dict[int, list[str]] = {}
         compacted = set()  # blocks of requests whose policy evicted tokens: they hold the kept ones, not a run of positions
         for seq in (s for seqs in engine.requests.values() for s in seqs):
-            for block_id in set(seq.block_tables.ids.ravel().tolist()):
+            for block_id in set(seq.block_tables.ids.ravel().tolist()) - {NULL}:  # NULL: a block a sliding window gave back
                 owners.setdefault(block_id, []).append(seq.request_id)
                 if seq.num_evicted_tokens:
                     compacted.add(block_id)
-        pools = [(kv.pool, False)] + ([(kv.residual, True)] if kv.residual else [])
-        blocks = [{"owners": owners.get(b.id, []), "ref": b.ref_count, "cached": b.hash is not None, "residual": residual,
-                   "compacted": b.id in compacted}
-                  for pool, residual in pools for b in pool.blocks]
+        pools = [kv.pool] + ([kv.residual] if kv.residual else [])
+        listed = sorted(set(owners) | {i for pool in pools for i in pool.cached.values()})
+        block = lambda i: kv.pool.block(i) if i in kv.pool else kv.residual.block(i)  # noqa: E731
+        blocks = [{"id": i, "owners": owners.get(i, []), "ref": block(i).ref_count, "cached": block(i).hash is not None,
+                   "compacted": i in compacted} for i in listed]
+        grid = {"blocks": sum(pool.num_blocks for pool in pools), "residual_from": kv.pool.num_blocks}
         layout = {**engine.layout.to_dict(), "description": engine.layout.describe()}
-        return {"blocks": blocks, "block_size": kv.block_size, "layout": layout, "usage": engine.kv_usage(),
+        return {"blocks": blocks, "grid": grid, "block_size": kv.block_size, "layout": layout, "usage": engine.kv_usage(),
                 "evicted_tokens": engine.scheduler.stats.num_evicted_tokens, "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                 "history": list(self.usage_history), **self.recent.summary()}
 
