@@ -102,7 +102,7 @@ class KVManager:
                 block_id = int(table[i])
                 if block_id == NULL:  # given back already, and everything before it
                     break
-                self._pool_of(block_id).release(block_id)
+                self.pool_of(block_id).release(block_id)
                 table[i] = NULL
 
     def can_hold_prompt(self, seq: Sequence) -> bool:
@@ -194,14 +194,14 @@ class KVManager:
         full, partial = divmod(min(parent.num_computed_tokens, parent.num_prompt_tokens), self.block_size)
         copies = []
         if partial:
-            pool = self._pool_of(int(parent.block_tables[0][full]))
+            pool = self.pool_of(int(parent.block_tables[0][full]))
             if pool.num_free < self.num_groups:
                 return None
             copies = [(int(table[full]), pool.allocate()) for table in parent.block_tables]
         shared = parent.block_tables.ids[:, :full]
         for block_id in shared.ravel().tolist():
             if block_id != NULL:
-                self._pool_of(block_id).take(block_id)
+                self.pool_of(block_id).take(block_id)
         child.block_tables.extend(np.concatenate([shared, [[copy] for _, copy in copies]], 1) if copies else shared)
         child.block_hashes = parent.block_hashes[:full]
         child.num_hashed_blocks, child.num_packed_blocks = min(parent.num_hashed_blocks, full), min(parent.num_packed_blocks, full)
@@ -212,7 +212,7 @@ class KVManager:
         """Give back the blocks past the one its next token goes to (rejected guesses filled them)."""
         for removed in seq.block_tables.truncate(-(-(seq.num_slots + 1) // self.block_size)):
             for block_id in reversed(removed):
-                self._pool_of(block_id).release(block_id)
+                self.pool_of(block_id).release(block_id)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are full of computed tokens in the prefix cache (kivi2: at packing)."""
@@ -229,7 +229,7 @@ class KVManager:
         for removed in seq.block_tables.truncate(0):
             for block_id in reversed(removed):
                 if block_id != NULL:
-                    self._pool_of(block_id).release(block_id)
+                    self.pool_of(block_id).release(block_id)
         seq.num_hashed_blocks = seq.num_packed_blocks = 0
 
     def swap_out(self, seq: Sequence) -> list[int]:
@@ -298,7 +298,8 @@ class KVManager:
             if block_id != NULL:
                 self.pool.register(block_id, _group_key(seq.block_hashes[i], g), tokens)
 
-    def _pool_of(self, block_id: int) -> BlockPool:
+    def pool_of(self, block_id: int) -> BlockPool:
+        """The pool a block id belongs to: the main one, or the residual one whose ids follow it."""
         return self.pool if block_id in self.pool else self.residual
 
     def _hash_full_blocks(self, seq: Sequence) -> None:

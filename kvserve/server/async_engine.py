@@ -208,10 +208,9 @@ class AsyncEngine:
                 if seq.num_evicted_tokens:
                     compacted.add(block_id)
         pools = [kv.pool] + ([kv.residual] if kv.residual else [])
-        listed = sorted(set(owners) | {i for pool in pools for i in pool.cached.values()})
-        block = lambda i: kv.pool.block(i) if i in kv.pool else kv.residual.block(i)  # noqa: E731
-        blocks = [{"id": i, "owners": owners.get(i, []), "ref": block(i).ref_count, "cached": block(i).hash is not None,
-                   "compacted": i in compacted} for i in listed]
+        listed = [kv.pool_of(i).block(i) for i in sorted(set(owners) | {i for pool in pools for i in pool.cached.values()})]
+        blocks = [{"id": b.id, "owners": owners.get(b.id, []), "ref": b.ref_count, "cached": b.hash is not None,
+                   "compacted": b.id in compacted} for b in listed]
         grid = {"blocks": sum(pool.num_blocks for pool in pools), "residual_from": kv.pool.num_blocks}
         layout = {**engine.layout.to_dict(), "description": engine.layout.describe()}
         return {"blocks": blocks, "grid": grid, "block_size": kv.block_size, "layout": layout, "usage": engine.kv_usage(),
