@@ -72,6 +72,7 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
     (["generate", "--prompt", "hi", "--kv-cache-dtype", "kivi2", "--kivi-residual", "100"],
      "kivi_residual must be a multiple of the block size (16), got 100"),
     (["distill", "--mlp", "-1"], "--mlp must be >= 0, got -1"),
+    (["distill", "--eagle", "--depth", "0"], "--depth must be 1..8, got 0"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
     """One error line, no traceback (an error found after loading follows the startup line)."""

@@ -438,7 +438,9 @@ def test_distill_eagle_trains_a_feature_draft_whose_guesses_verify(tmp_path):
     report = distill(settings, token_ids=text, progress=False)
     assert report["after"]["kl_mean"] < 0.8 * report["before"]["kl_mean"]  # on held-out answers
     assert sum(report["losses"][-5:]) < sum(report["losses"][:5]) and report["acceptance"]["draft_tokens"] > 0
-    assert json.loads((tmp_path / "draft" / "eagle.json").read_text())["intermediate_size"] == 96
+    config = json.loads((tmp_path / "draft" / "eagle.json").read_text())
+    assert config["intermediate_size"] == 96 and config["depth"] == 2  # trained two steps ahead, by default
+    assert LLM(str(tmp_path / "target"), speculative=f"eagle:model={tmp_path / 'draft'}", **FP32).engine.proposer.k == 2  # k: its depth
     spec = LLM(str(tmp_path / "target"), speculative=f"eagle:model={tmp_path / 'draft'},k=3,min_acceptance=0", **FP32)
     seen = []
     spec.engine.observe_features(lambda seqs, features: seen.extend((s.token_ids[-1], f) for s, f in zip(seqs, features)))
@@ -591,6 +593,26 @@ def test_feature_loss_leaves_out_pairs_across_answers():
     follows[0, 2:] = False
     assert torch.allclose(feature_loss(draft, embedded, features, head, noise=0.0, follows=follows),
                           feature_loss(draft, embedded[:1, :3], features[:1, :3], head, noise=0.0))
+
+
+def test_feature_loss_at_depth_two_goes_on_from_the_drafts_own_prediction():
+    """Depth 2 adds the loss of the draft's second step, taken from its own first prediction (not the target's
+    state there) and the token after; it leaves out chains that cross an answer's start."""
+    from kvserve.spec_decode.distill import feature_loss
+    from kvserve.spec_decode.eagle import FeatureDraft
+
+    torch.manual_seed(0)
+    draft, head = FeatureDraft(16, 32, 1e-5), torch.randn(40, 16)
+    embedded, features = torch.randn(2, 6, 16), torch.randn(2, 6, 16)
+    loss = lambda e, f, **kw: feature_loss(draft, e, f, head, noise=0.0, **kw)  # noqa: E731
+    assert torch.allclose(loss(embedded[:, :2], features[:, :2], depth=2), loss(embedded[:, :2], features[:, :2]))  # no room for a second step
+    first = draft(embedded[:, 1:3], features[:, :2])  # three positions: two first steps, one second step (from first[:, 0])
+    second = loss(embedded[:, 1:3], torch.stack([first[:, 0], features[:, 2]], 1))  # its loss, as a first step from that state
+    assert torch.allclose(2 * loss(embedded[:, :3], features[:, :3], depth=2) - loss(embedded[:, :3], features[:, :3]), second, atol=1e-6)
+    assert not torch.allclose(second, loss(embedded[:, 1:3], features[:, 1:3]), atol=1e-3)  # not the step from the target's state
+    follows = torch.ones(2, 5, dtype=torch.bool)
+    follows[1], follows[0, 2:] = False, False
+    assert torch.allclose(loss(embedded, features, follows=follows, depth=2), loss(embedded[:1, :3], features[:1, :3], depth=2))
 
 
 def test_distill_answers_past_the_prompts_are_sampled_rounds(smollm2, monkeypatch):

@@ -321,7 +321,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
     settings = DistillSettings(model=args.model, out=args.out, layers=args.layers, mlp=args.mlp, steps=args.steps, batch=args.batch,
                                seq_len=args.seq_len, lr=args.lr, temperature=args.temperature, text=args.text, answers=args.answers,
-                               vocab=args.vocab, seed=args.seed, eagle=args.eagle)
+                               vocab=args.vocab, seed=args.seed, eagle=args.eagle, depth=args.depth)
     report = distill(settings)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -334,7 +334,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
     print(f"perplexity{ahead} on held-out text: target {report['target_perplexity']:.2f} (next token), draft {b['perplexity']:.2f} "
           f"untrained -> {a['perplexity']:.2f} trained; KL to the target {b['kl_mean']:.3f} -> {a['kl_mean']:.3f}")
     if args.eagle:
-        print(f"the draft's guess is the target's greedy token: {b['agreement']:.1%} -> {a['agreement']:.1%}")
+        print(f"the draft's guess is the target's greedy token: {b['agreement']:.1%} -> {a['agreement']:.1%}; its second guess, "
+              f"where the first was: {b['second_agreement']:.1%} -> {a['second_agreement']:.1%}")
     print(f"acceptance (greedy, k=4): {acc['accepted_tokens']}/{acc['draft_tokens']} = {acc['rate']:.1%}")
     print(f"use it: kvserve generate --speculative {'eagle' if args.eagle else 'draft'}:model={args.out} --prompt ...")
 
@@ -349,6 +350,8 @@ def _add_distill_parser(sub) -> None:
     di.add_argument("--layers", type=int, default=d.layers, help="decoder layers kept: the first ones and the last LAYERS // 3")
     di.add_argument("--eagle", action="store_true",
                     help="train a feature draft (EAGLE-style: one MLP block on the model's hidden states) instead of pruning")
+    di.add_argument("--depth", type=int, default=d.depth,
+                    help="with --eagle, train the draft on its own predictions this many tokens ahead; it guesses as many (eagle's k)")
     di.add_argument("--mlp", type=int, default=d.mlp, metavar="WIDTH",
                     help="narrow each kept MLP to its WIDTH most active intermediate neurons (0: keep its width); "
                          "with --eagle, the block's MLP width (0: the model's)")

@@ -60,6 +60,7 @@ class DistillSettings:
     eval_windows: int = 8  # held-out windows (the text's start) for perplexity and KL
     acceptance_prompts: int = 4  # held-out prompts for the draft's acceptance rate
     eagle: bool = False  # a feature draft (spec_decode/eagle.py) instead of pruned layers; `mlp` is its MLP width
+    depth: int = 2  # a feature draft trains on its own predictions this many steps ahead (feature_loss), and guesses as many
     seed: int = 0
 
 
@@ -78,6 +79,8 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
     for name in ("answers", "vocab", "mlp"):
         if getattr(settings, name) < 0:
             raise KVServeError(f"--{name} must be >= 0, got {getattr(settings, name)}")
+    if not 1 <= settings.depth <= 8:
+        raise KVServeError(f"--depth must be 1..8, got {settings.depth}")
     if settings.answers and settings.text:
         raise KVServeError("distill on --text or on the model's --answers, not both")
     torch.manual_seed(settings.seed)
@@ -136,7 +139,7 @@ def _distill_features(settings: DistillSettings, teacher: LLM, text: Text, vocab
     config, length, held = teacher.engine.checkpoint.config, settings.seq_len, settings.eval_windows
     reference = transformers_model(teacher.engine.checkpoint.path).eval()
     bf16 = teacher.engine.config.bf16_matmuls
-    draft = FeatureDraft(config.hidden_size, settings.mlp or config.intermediate_size, config.rms_norm_eps)
+    draft = FeatureDraft(config.hidden_size, settings.mlp or config.intermediate_size, config.rms_norm_eps, settings.depth)
     count = len(text.ids) // length * length
     windows = torch.tensor(text.ids[:count]).view(-1, length)
     features = (text.states[:count].view(len(windows), length, -1) if text.states is not None
@@ -156,7 +159,7 @@ def _distill_features(settings: DistillSettings, teacher: LLM, text: Text, vocab
         with torch.no_grad():
             embedded = embed(windows[pick])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            return feature_loss(draft, embedded, features[pick], vocab_head, generator, follows=follows[pick])
+            return feature_loss(draft, embedded, features[pick], vocab_head, generator, follows=follows[pick], depth=settings.depth)
 
     losses = train_steps(list(draft.parameters()), loss, settings, progress)
     after = evaluate_features(draft, embed, head, ids, *held_out)
@@ -166,17 +169,24 @@ def _distill_features(settings: DistillSettings, teacher: LLM, text: Text, vocab
 
 
 def feature_loss(draft: FeatureDraft, embedded: torch.Tensor, features: torch.Tensor, head: torch.Tensor,
-                 generator: torch.Generator | None = None, noise: float = 0.05, follows: torch.Tensor | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, noise: float = 0.05, follows: torch.Tensor | None = None,
+                 depth: int = 1) -> torch.Tensor:
     """EAGLE's loss on windows [B, T]: from the hidden state at t (with noise, as the draft's own predictions will
     be) and the embedding of token t + 1, the state at t + 1: smooth L1 to it, plus 0.3 x the cross-entropy of the
     tokens the head gives it (the target's distribution) under the head applied to the prediction; averaged over
-    the pairs (t, t + 1) that `follows` [B, T - 1] marks (default: all)."""
-    current = features[:, :-1] + noise * torch.randn(features[:, :-1].shape, generator=generator)
-    predicted, following = draft(embedded[:, 1:], current), features[:, 1:]
-    target = F.softmax(following @ head.T, dim=-1)
-    cross_entropy = -(target * F.log_softmax((predicted @ head.T).float(), dim=-1)).sum(-1)
-    per_pair = F.smooth_l1_loss(predicted.float(), following, reduction="none").mean(-1) + 0.3 * cross_entropy
-    return per_pair.mean() if follows is None else _masked_mean(per_pair, follows)
+    the pairs (t, t + 1) that `follows` [B, T - 1] marks (default: all). With depth d > 1, the draft then goes on
+    from its own prediction, as it does when it guesses d tokens (EAGLE-3's training-time test): the prediction
+    and token t + 2 give the state at t + 2, and so on; the loss is the mean over the d depths."""
+    follows = torch.ones(features.shape[:1] + (features.shape[1] - 1,), dtype=torch.bool) if follows is None else follows
+    current, valid, losses = features[:, :-1] + noise * torch.randn(features[:, :-1].shape, generator=generator), follows, []
+    for d in range(min(depth, features.shape[1] - 1)):
+        predicted, following = draft(embedded[:, 1 + d:], current), features[:, 1 + d:]
+        target = F.softmax(following @ head.T, dim=-1)
+        cross_entropy = -(target * F.log_softmax((predicted @ head.T).float(), dim=-1)).sum(-1)
+        per_pair = F.smooth_l1_loss(predicted.float(), following, reduction="none").mean(-1) + 0.3 * cross_entropy
+        losses.append(_masked_mean(per_pair, valid))
+        current, valid = predicted[:, :-1], valid[:, :-1] & follows[:, 1 + d:]
+    return torch.stack(losses).mean()
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -188,16 +198,22 @@ def evaluate_features(draft: FeatureDraft, embed, head: torch.Tensor, vocab: tor
                       features: torch.Tensor, follows: torch.Tensor) -> dict:
     """On windows [B, T] with the target's hidden states, over the pairs of positions `follows` [B, T - 1] joins:
     the draft's perplexity of each token two ahead of a state and its KL from the target's distribution there
-    (full vocabulary), the share of its guesses (over `vocab`) that are the target's greedy token, and the
-    target's perplexity of the next token."""
-    predicted = draft(embed(ids[:, 1:]), features[:, :-1])
+    (full vocabulary), the share of its guesses (over `vocab`) that are the target's greedy token, the share of
+    its second guesses (from its own first prediction) that are, where the first one was, and the target's
+    perplexity of the next token."""
+    embedded = embed(ids)
+    predicted = draft(embedded[:, 1:], features[:, :-1])
     logp, target = F.log_softmax(predicted @ head.T, dim=-1), F.log_softmax(features @ head.T, dim=-1)
     kl = (target[:, 1:].exp() * (target[:, 1:] - logp)).sum(-1)
-    guesses = vocab[(predicted @ head[vocab].T).argmax(-1)]
+    greedy = target.argmax(-1)
+    hits = vocab[(predicted @ head[vocab].T).argmax(-1)] == greedy[:, 1:]
+    second = vocab[(draft(embedded[:, 2:], predicted[:, :-1]) @ head[vocab].T).argmax(-1)] == greedy[:, 2:]
+    chained = follows[:, :-1] & follows[:, 1:] & hits[:, :-1] & (ids[:, 2:] == greedy[:, 1:-1])  # the first guess was the token given
     two_ahead = logp[:, :-1].gather(-1, ids[:, 2:, None])[..., 0]
     return {"perplexity": math.exp(-float(_masked_mean(two_ahead, follows[:, :-1] & follows[:, 1:]))),
             "kl_mean": float(_masked_mean(kl, follows)),
-            "agreement": float(_masked_mean((guesses == target[:, 1:].argmax(-1)).float(), follows)),
+            "agreement": float(_masked_mean(hits.float(), follows)),
+            "second_agreement": float(_masked_mean(second.float(), chained)),
             "target_perplexity": math.exp(-float(_masked_mean(target[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], follows)))}
 
 

@@ -37,9 +37,10 @@ class FeatureDraft(nn.Module):
 
     native = False  # kvserve.kernels' silu_and_mul (its norms are told apart)
 
-    def __init__(self, hidden_size: int, intermediate_size: int, rms_norm_eps: float):
+    def __init__(self, hidden_size: int, intermediate_size: int, rms_norm_eps: float, depth: int = 1):
+        """`depth`: how many steps ahead it was trained on its own predictions (its proposer's default k)."""
         super().__init__()
-        self.config = {"hidden_size": hidden_size, "intermediate_size": intermediate_size, "rms_norm_eps": rms_norm_eps}
+        self.config = {"hidden_size": hidden_size, "intermediate_size": intermediate_size, "rms_norm_eps": rms_norm_eps, "depth": depth}
         self.fc = Linear(2 * hidden_size, hidden_size, bias=False)
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
@@ -96,11 +97,12 @@ class FeatureDraft(nn.Module):
 class EagleProposer(Proposer):
     shared_gate = True
 
-    def __init__(self, model: str = "", k: int = 1, min_acceptance: int = 20, window: int = 32, max_batch: int = MAX_BATCH):
-        super().__init__(k, min_acceptance, window, max_batch)
+    def __init__(self, model: str = "", k: int = 0, min_acceptance: int = 20, window: int = 32, max_batch: int = MAX_BATCH):
+        """k = 0: as many guesses as the draft was trained to make on its own predictions (its depth)."""
+        super().__init__(k or 1, min_acceptance, window, max_batch)
         if not model or not isinstance(model, str):
             raise KVServeError("the eagle proposer needs model=DIR (made by kvserve distill --eagle)")
-        self.model = model
+        self.model, self.k_given = model, bool(k)
 
     def start(self, engine) -> None:
         draft, vocab = FeatureDraft.load(Path(self.model))
@@ -110,6 +112,8 @@ class EagleProposer(Proposer):
                                f"have {target.config.hidden_size}: it was made for another model")
         if vocab is not None and max(vocab) >= target.config.vocab_size:
             raise KVServeError(f"the feature draft lists token ids past the model's vocabulary ({target.config.vocab_size})")
+        if not self.k_given:
+            self.k = self.shared.k = draft.config["depth"]
         ids = torch.tensor(vocab if vocab is not None else range(target.config.vocab_size), dtype=torch.long)
         self.head = VocabSubset(target.lm_head, ids)
         linears = (draft.fc, draft.gate_up_proj, draft.down_proj, self.head.head)
