@@ -178,7 +178,8 @@ def feature_loss(draft: FeatureDraft, embedded: torch.Tensor, features: torch.Te
     from its own prediction, as it does when it guesses d tokens (EAGLE-3's training-time test): the prediction
     and token t + 2 give the state at t + 2, and so on; the loss is the mean over the d depths."""
     follows = torch.ones(features.shape[:1] + (features.shape[1] - 1,), dtype=torch.bool) if follows is None else follows
-    current, valid, losses = features[:, :-1] + noise * torch.randn(features[:, :-1].shape, generator=generator), follows, []
+    current = features[:, :-1] + noise * torch.randn(features[:, :-1].shape, generator=generator)
+    valid, losses = follows, []
     for d in range(min(depth, features.shape[1] - 1)):
         predicted, following = draft(embedded[:, 1 + d:], current), features[:, 1 + d:]
         target = F.softmax(following @ head.T, dim=-1)
@@ -205,9 +206,10 @@ def evaluate_features(draft: FeatureDraft, embed, head: torch.Tensor, vocab: tor
     predicted = draft(embedded[:, 1:], features[:, :-1])
     logp, target = F.log_softmax(predicted @ head.T, dim=-1), F.log_softmax(features @ head.T, dim=-1)
     kl = (target[:, 1:].exp() * (target[:, 1:] - logp)).sum(-1)
-    greedy = target.argmax(-1)
-    hits = vocab[(predicted @ head[vocab].T).argmax(-1)] == greedy[:, 1:]
-    second = vocab[(draft(embedded[:, 2:], predicted[:, :-1]) @ head[vocab].T).argmax(-1)] == greedy[:, 2:]
+    greedy, vocab_head = target.argmax(-1), head[vocab]
+    guess = lambda states: vocab[(states @ vocab_head.T).argmax(-1)]  # noqa: E731
+    hits = guess(predicted) == greedy[:, 1:]
+    second = guess(draft(embedded[:, 2:], predicted[:, :-1])) == greedy[:, 2:]
     chained = follows[:, :-1] & follows[:, 1:] & hits[:, :-1] & (ids[:, 2:] == greedy[:, 1:-1])  # the first guess was the token given
     two_ahead = logp[:, :-1].gather(-1, ids[:, 2:, None])[..., 0]
     return {"perplexity": math.exp(-float(_masked_mean(two_ahead, follows[:, :-1] & follows[:, 1:]))),
