@@ -6,7 +6,10 @@ Workloads (greedy, SmolLM2 by default):
   batch   16 open-ended requests at once: total tok/s (speculation's extra tokens compete with other requests)
 
 Each proposer's engine and the baseline run the same prompt (or batch) in turns, `--rounds` times; each
-prompt's median rate counts, averaged over a workload's prompts. Greedy outputs should be the same tokens; the
+prompt's median rate counts, averaged over a workload's prompts. At batch 1 a line also splits its ratio in two:
+the tokens a decode step yields (one, plus the guesses it kept: the same every round, outputs being greedy) over
+what a step costs against the baseline's (the target's rows for the guesses and the proposer's time: the part
+that varies between runs on a noisy machine). Greedy outputs should be the same tokens; the
 table says where they are not (a verification pass of more rows than layers/linear.py's block limit multiplies
 differently from one-token steps, which can flip a near-tie).
 
@@ -41,14 +44,17 @@ def workloads(llm: LLM) -> dict[str, list[str]]:
     return {"copy": copy, "open": [chat(t) for t in OPEN], "batch": [chat(t) for t in OPEN * 6][:16]}
 
 
-def run(llm: LLM, batch: bool, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]], int, int]:
-    """tok/s (one prompt: its decode rate; a batch: all output tokens over wall time), outputs, guesses made and kept."""
+def run(llm: LLM, batch: bool, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]], int, int, float]:
+    """tok/s (one prompt: its decode rate; a batch: all output tokens over wall time), outputs, guesses made and
+    kept, and (one prompt) seconds per decode step: a step yields one token plus the guesses it kept."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start) if batch else outs[0].metrics.decode_tokens_per_s or 0.0
-    return (rate, [o.outputs[0].token_ids for o in outs], sum(o.metrics.num_draft_tokens for o in outs),
-            sum(o.metrics.num_accepted_tokens for o in outs))
+    drafted, kept = sum(o.metrics.num_draft_tokens for o in outs), sum(o.metrics.num_accepted_tokens for o in outs)
+    decoded = len(outs[0].outputs[0].token_ids) - 1  # after the prompt's step
+    step = decoded / rate / max(decoded - kept, 1) if not batch and rate else float("nan")
+    return rate, [o.outputs[0].token_ids for o in outs], drafted, kept, step
 
 
 def main() -> None:
@@ -85,8 +91,13 @@ def main() -> None:
             total = sum(len(results[(u, name)][0][1]) for u in mine)
             drafted, kept = (sum(x[i] for u in mine for x in results[(u, name)]) for i in (2, 3))
             accepted = f"accepted {kept / drafted:5.1%}" if drafted else " " * 14
+            steps = ""
+            if load != "batch":  # the ratio's two factors: tokens a step yields, and what a step costs
+                decoded = sum(len(x[1][0]) - 1 for u in mine for x in results[(u, name)])
+                step, base_step = (statistics.mean(statistics.median(x[4] for x in results[(u, n)]) for u in mine) for n in (name, "baseline"))
+                steps = f" | {decoded / max(decoded - kept, 1):4.2f} tokens/step, step {step * 1e3:5.2f} ms ({step / base_step:4.2f}x)"
             print(f"  {load:5s} {name:24s} {rate:7.1f} tok/s ({rate / base:4.2f}x) | {accepted} | "
-                  f"same tokens as baseline: {same}/{total}")
+                  f"same tokens as baseline: {same}/{total}{steps}")
 
 
 if __name__ == "__main__":
