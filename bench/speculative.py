@@ -84,18 +84,18 @@ def main() -> None:
           f"averaged over a workload's prompts")
     for load in loads:
         mine = [u for u, unit in enumerate(units) if unit[0] == load]
-        base = statistics.mean(statistics.median(x[0] for x in results[(u, "baseline")]) for u in mine)
+        typical = lambda name, field: statistics.mean(statistics.median(x[field] for x in results[(u, name)]) for u in mine)  # noqa: E731
+        base = typical("baseline", 0)
         for name in engines:
-            rate = statistics.mean(statistics.median(x[0] for x in results[(u, name)]) for u in mine)
+            rate = typical(name, 0)
             same = sum(a == b for u in mine for a, b in zip(results[(u, name)][0][1], results[(u, "baseline")][0][1]))
             total = sum(len(results[(u, name)][0][1]) for u in mine)
             drafted, kept = (sum(x[i] for u in mine for x in results[(u, name)]) for i in (2, 3))
             accepted = f"accepted {kept / drafted:5.1%}" if drafted else " " * 14
             steps = ""
             if load != "batch":  # the ratio's two factors: tokens a step yields, and what a step costs
-                decoded = sum(len(x[1][0]) - 1 for u in mine for x in results[(u, name)])
-                step, base_step = (statistics.mean(statistics.median(x[4] for x in results[(u, n)]) for u in mine) for n in (name, "baseline"))
-                steps = f" | {decoded / max(decoded - kept, 1):4.2f} tokens/step, step {step * 1e3:5.2f} ms ({step / base_step:4.2f}x)"
+                decoded, step = sum(len(x[1][0]) - 1 for u in mine for x in results[(u, name)]), typical(name, 4)
+                steps = f" | {decoded / max(decoded - kept, 1):4.2f} tokens/step, step {step * 1e3:5.2f} ms ({step / typical('baseline', 4):4.2f}x)"
             print(f"  {load:5s} {name:24s} {rate:7.1f} tok/s ({rate / base:4.2f}x) | {accepted} | "
                   f"same tokens as baseline: {same}/{total}{steps}")
 
