@@ -174,6 +174,41 @@ def test_paged_decode_attention_of_a_row_does_not_depend_on_its_batch(length, is
     assert torch.equal(attend(3, [length, length + 1, length + 600])[0], alone[0])
 
 
+@pytest.mark.parametrize("prefix", [5, 16, 70, 126, 300])  # the tree starts mid-block, on a boundary, near a chunk's edge
+@pytest.mark.parametrize("window", [0, 9])
+def test_a_tree_guess_attends_as_the_one_token_step_of_its_branch(prefix, window, isa):
+    """A tree of guesses in consecutive slots after `prefix` keys: a guess that skips the other branches' keys
+    (hidden) gives, bit for bit, the output of a query whose branch lies in consecutive slots: its chunks, window
+    and sums count the keys it sees."""
+    from kvserve.spec_decode import hidden_keys, path
+
+    g = torch.Generator().manual_seed(prefix + window)
+    parents = [-1, 0, -1, 2, 2, 1, 4]  # two branches under the newest token, a fork under the second
+    bs, blocks = 16, 48
+    k_cache, v_cache = (torch.randn(blocks, bs, 2, 64, generator=g) for _ in range(2))
+    tables = torch.randperm(blocks // 2, generator=g).view(1, -1)
+    branch_tables = tables + blocks // 2  # the same prefix, then a branch's keys in consecutive slots
+    for cache in (k_cache, v_cache):
+        cache.flatten(0, 1)[(branch_tables[0] * bs)[:, None] + torch.arange(bs)] = cache.flatten(0, 1)[(tables[0] * bs)[:, None] + torch.arange(bs)]
+    slot = lambda t, p: int(t[0, p // bs]) * bs + p % bs  # noqa: E731
+    q = torch.randn(1, 6, 64, generator=g)
+    masks = hidden_keys(parents)
+    for node in range(len(parents)):
+        branch = path(parents, node)
+        for cache in (k_cache, v_cache):  # the branch's keys, in order, right after the prefix
+            for i, n in enumerate(branch):
+                cache.flatten(0, 1)[slot(branch_tables, prefix + 1 + i)] = cache.flatten(0, 1)[slot(tables, prefix + 1 + n)]
+        tree = native_ops().paged_decode_attention(q, [k_cache], [v_cache], tables, torch.tensor([prefix + 2 + node]), 0.125, 0, 0,
+                                                   [], [], 0, window, hidden=torch.tensor([masks[node]]))
+        one = native_ops().paged_decode_attention(q, [k_cache], [v_cache], branch_tables, torch.tensor([prefix + 1 + len(branch)]),
+                                                  0.125, 0, 0, [], [], 0, window)
+        assert torch.equal(tree, one), node
+    assert any(masks)
+    with pytest.raises(RuntimeError, match="hides keys before its first"):
+        native_ops().paged_decode_attention(q, [k_cache], [v_cache], tables, torch.tensor([3]), 0.125, 0, 0, [], [], 0,
+                                            hidden=torch.tensor([0b100]))
+
+
 def test_paged_decode_attention_rejects_lengths_past_the_table():
     cache = torch.zeros(4, 4, 1, 8)
     with pytest.raises(RuntimeError, match="context length 9 does not fit 2 blocks"):
@@ -245,9 +280,9 @@ def test_fused_decode_layers_give_the_module_paths_logits(matmul_dtype):
     stack, layers = llm.engine.runner.backend.stack, llm.engine.runner.model.layers
     x = torch.zeros(1, 576)  # the stack checks a step's arguments before any layer writes
     with pytest.raises(RuntimeError, match="slot 1000000000 is outside the pool"):
-        stack.forward(x, torch.tensor([0]), [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([10**9])], len(layers))
+        stack.forward(x, torch.tensor([0]), [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([10**9])], len(layers), None)
     with pytest.raises(RuntimeError, match="position 1000000000 is past the rotary tables"):
-        stack.forward(x, torch.tensor([10**9]), [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([0])], len(layers))
+        stack.forward(x, torch.tensor([10**9]), [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([0])], len(layers), None)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8_e4m3"])

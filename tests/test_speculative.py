@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvserve import LLM, KVServeError, SamplingParams
 from kvserve.kernels import native_ops
 from kvserve.layers.sampler import SamplingBatch, sample
-from kvserve.spec_decode import verify
+from kvserve.spec_decode import chain, hidden_keys, path, verify
 from kvserve.spec_decode.proposers import parse_speculative
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.proposer import Proposer
@@ -66,29 +66,43 @@ def critical(df: int, z: float = 3.09) -> float:
 # --- the rule --------------------------------------------------------------------------------------------------
 
 def test_verify_keeps_guesses_until_a_sample_differs():
-    assert verify([], [7]) == [7]
-    assert verify([1, 2, 3], [1, 2, 3, 9]) == [1, 2, 3, 9]
-    assert verify([1, 2, 3], [1, 5, 3, 9]) == [1, 5]
-    assert verify([1, 2, 3], [4, 2, 3, 9]) == [4]
+    assert verify([], [], [7]) == ([7], [])
+    assert verify([1, 2, 3], chain(3), [1, 2, 3, 9]) == ([1, 2, 3, 9], [0, 1, 2])
+    assert verify([1, 2, 3], chain(3), [1, 5, 3, 9]) == ([1, 5], [0])
+    assert verify([1, 2, 3], chain(3), [4, 2, 3, 9]) == ([4], [])
+
+
+def test_verify_walks_a_tree_down_the_branch_its_samples_confirm():
+    guesses, parents = [1, 2, 4, 6], [-1, 0, -1, 2]  # two branches under the newest token: 1 then 2, and 4 then 6
+    assert verify(guesses, parents, [4, 0, 0, 6, 8]) == ([4, 6, 8], [2, 3])
+    assert verify(guesses, parents, [1, 2, 0, 6, 8]) == ([1, 2, 0], [0, 1])
+    assert verify(guesses, parents, [4, 2, 0, 7, 8]) == ([4, 7], [2])  # 2 is a guess, but not under 4
+    assert verify(guesses, parents, [5, 2, 0, 6, 8]) == ([5], [])
+    assert [path(parents, j) for j in range(4)] == [[0], [0, 1], [2], [2, 3]]
+    assert hidden_keys(parents) == [0, 0, 0b11, 0b110]  # 4 skips 1 and 2; 6 skips them too, not 4
+    assert hidden_keys(chain(5)) == [0] * 5
 
 
 def test_rejection_rule_on_a_hand_made_distribution_equals_the_formula():
     """Guess x under target p: kept with probability min(1, p(x)/q(x)) = p(x) (q is a point mass); a rejection's
-    token is distributed as max(0, p - q) normalized. Sampled through the engine's own sampler."""
+    token is distributed as max(0, p - q) normalized; with guesses side by side, p less all of them. Sampled
+    through the engine's own sampler."""
     p = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
     x, n = 1, 20000
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, max_tokens=1)
     samples = sample(p.log().repeat(n, 1), SamplingBatch([params] * n, [gen] * n, [[]] * n, [0] * n, [[]] * n)).token_ids
-    kept = [verify([x], [s, 0]) for s in samples]
-    rate = sum(len(t) == 2 for t in kept) / n
-    assert abs(rate - p[x].item()) < 4 * math.sqrt(p[x] * (1 - p[x]) / n)
-    residual = (p - torch.nn.functional.one_hot(torch.tensor(x), 5)).clamp(min=0)
-    residual /= residual.sum()
-    replaced = [t[0] for t in kept if len(t) == 1]
-    stat = sum((replaced.count(i) - len(replaced) * residual[i].item()) ** 2 / (len(replaced) * residual[i].item())
-               for i in range(5) if residual[i] > 0)
-    assert stat < critical(3) and x not in replaced
+    for guesses in ([x], [x, 3]):  # one guess; two, side by side (a tree): each kept with its own probability
+        kept = [verify(guesses, [-1] * len(guesses), [s] + [0] * len(guesses))[0] for s in samples]
+        for g in guesses:
+            rate = sum(t == [g, 0] for t in kept) / n
+            assert abs(rate - p[g].item()) < 4 * math.sqrt(p[g] * (1 - p[g]) / n)
+        residual = (p - torch.nn.functional.one_hot(torch.tensor(guesses), 5).sum(0)).clamp(min=0)
+        residual /= residual.sum()
+        replaced = [t[0] for t in kept if len(t) == 1]
+        stat = sum((replaced.count(i) - len(replaced) * residual[i].item()) ** 2 / (len(replaced) * residual[i].item())
+                   for i in range(5) if residual[i] > 0)
+        assert stat < critical(4 - len(guesses)) and not set(guesses) & set(replaced)
 
 
 # --- the ngram proposer ----------------------------------------------------------------------------------------
@@ -148,7 +162,7 @@ def test_a_model_drafts_gate_is_shared_by_all_sequences():
     ("medusa", "unknown speculative proposer 'medusa'"), ("ngram:k", "'k' is not name=value"),
     ("ngram:k=four", "option k must be an integer, got 'four'"), ("draft:k=2", "needs model=PATH"), ("ngram:depth=3", "bad options for the ngram proposer"),
     ("ngram:k=0", "1 <= k <= 16"), ("ngram:n=2,min_n=3", "min_n <= n"), ("draft:model=d,vocab=-5", "vocab must be >= 0"),
-    ("draft:model=d,vocab=all", "option vocab must be an integer, got 'all'"),
+    ("draft:model=d,vocab=all", "option vocab must be an integer, got 'all'"), ("eagle:model=d,width=9", "width must be 1 to 8, got 9"),
 ])
 def test_bad_speculative_options_name_the_value(text, message):
     with pytest.raises(KVServeError, match=message):
@@ -290,6 +304,60 @@ def test_random_acceptance_lengths_keep_outputs_and_blocks(tiny_pair, seed, k, l
     assert spec.scheduler.stats.num_accepted_tokens - accepted_before == spec.proposer.expected_accepted
 
 
+class TreeOracleProposer(OracleProposer):
+    """Guesses a random tree with the reference continuation down one random branch (of random length) and wrong
+    tokens elsewhere: the kept branch lies anywhere in the tree, so its K/V moves."""
+
+    def _propose(self, seq, limit: int) -> list[int]:
+        ref = self.reference[tuple(seq.token_ids[:seq.num_prompt_tokens])][len(seq.output_token_ids):]
+        rng, depth = self.rng, min(self.k, limit, len(ref))
+        if depth == 0:
+            return []
+        parents, size = [-1], rng.randint(1, self.k + 2)
+        while len(parents) < size:
+            node = rng.randrange(-1, len(parents))
+            if node < 0 or len(path(parents, node)) < depth:
+                parents.append(node)
+        right = set(path(parents, rng.randrange(len(parents))))
+        right = {n for n in right if rng.random() < 0.8 or n == min(right)} if rng.random() < 0.5 else right
+        kept, guesses = [], []
+        for j, parent in enumerate(parents):  # a node on the right branch below a kept one: the reference's token
+            d = len(path(parents, j)) - 1
+            ok = j in right and (parent < 0 or parent in kept)
+            kept += [j] if ok else []
+            guesses.append(ref[d] if ok else (ref[d] + 1 + j) % 256)
+        self.trees[seq] = parents
+        self.proposed += len(guesses)
+        self.expected_accepted += len(kept)
+        return guesses
+
+    def parents(self, seq, count: int) -> list[int]:
+        return self.trees[seq][:count]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair_sdpa(tiny_model_dir_d32):
+    options = dict(num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, native_kernels=False, **FP32)
+    return LLM(str(tiny_model_dir_d32), **options).engine, LLM(str(tiny_model_dir_d32), speculative="ngram", **options).engine
+
+
+@pytest.mark.parametrize("pair", ["tiny_pair", "tiny_pair_sdpa"])  # the native kernel skips other branches' keys; SDPA masks them
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), k=st.integers(1, 4), lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4))
+def test_random_trees_of_guesses_keep_outputs_and_blocks(request, pair, seed, k, lengths):
+    """Whichever branch of a tree the samples confirm, outputs are the plain engine's, no other branch's K/V is
+    read (poisoned after each step: a kept branch must have moved next to the newest token), and blocks balance."""
+    plain, spec = request.getfixturevalue(pair)
+    prompts = [[(seed + 31 * i + 7 * j) % 256 for j in range(3 + 5 * i)] for i in range(len(lengths))]
+    params = [greedy(n) for n in lengths]
+    reference = _run(plain, prompts, params)
+    spec.proposer = TreeOracleProposer(reference, k, random.Random(seed))
+    spec.proposer.trees = {}
+    accepted_before = spec.scheduler.stats.num_accepted_tokens
+    assert _run(spec, prompts, params, poison=True) == reference
+    assert spec.scheduler.stats.num_accepted_tokens - accepted_before == spec.proposer.expected_accepted
+
+
 def test_a_self_draft_in_a_busy_small_pool_keeps_outputs_and_frees_its_blocks(tiny_model_dir_d32):
     options = dict(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, **FP32)
     plain = LLM(str(tiny_model_dir_d32), **options).engine
@@ -352,7 +420,8 @@ def test_sampled_tokens_are_distributed_as_without_speculation(tiny_pair, monkey
     assert stat < critical(df)
 
     # the test has power: a rule that keeps every guess shifts the distribution far past the bound
-    monkeypatch.setattr("kvserve.engine.model_runner.verify", lambda guesses, samples: guesses + [samples[len(guesses)]])
+    monkeypatch.setattr("kvserve.engine.model_runner.verify",
+                        lambda guesses, parents, samples: (guesses + [samples[len(guesses)]], list(range(len(guesses)))))
     biased = draws(spec, 2 * 10**6)
     stat, df = chi_square([t[1] for t in without], [t[1] for t in biased])
     assert stat > critical(df)
@@ -472,13 +541,24 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
     proposer.fused = None
     assert torch.equal(proposer.guess(tokens, features, 5), guesses)
     assert guesses.shape == (4, 5) and set(guesses.flatten().tolist()) <= set(listed) and len(set(guesses.flatten().tolist())) > 2
+    proposer.width = 3  # a tree: the chain, then the first guess's two runners-up
+    wide = proposer.guess(tokens, features, 2)
+    assert torch.equal(wide, fused.propose(tokens, features, 2, 3))
+    assert wide.shape == (4, 4) and torch.equal(wide[:, :2], guesses[:, :2])
+    assert all(len(set(row[[0, 2, 3]].tolist())) == 3 for row in wide) and proposer.parents(None, 4) == [-1, 0, -1, -1]
     proposer.fused = fused
+    assert torch.equal(proposer.guess(tokens, features, 2), wide)
+    proposer.width = 1
     prompts, params = ["Once upon a time", smollm2.apply_chat_template(COPY)], greedy(16)
+    plain = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
     spec = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec] == plain
     assert sum(o.metrics.num_draft_tokens for o in spec) > 0
+    tree = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=2,width=3,min_acceptance=0", **FP32).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tree] == plain
+    assert sum(o.metrics.num_draft_tokens for o in tree) > sum(o.metrics.num_draft_tokens for o in spec)
     with pytest.raises(RuntimeError, match="past the embedding"):
-        fused.propose(torch.tensor([49152]), features[:1], 1)
+        fused.propose(torch.tensor([49152]), features[:1], 1, 1)
 
 
 def test_an_eagle_draft_must_match_the_model(tmp_path, tiny_model_dir):

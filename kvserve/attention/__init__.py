@@ -35,6 +35,9 @@ class QueryGroup:
     # votes; Q or more: none); None: no sequence of the group votes
     score_from: torch.Tensor | None = None
     in_order: bool = False  # the group's valid queries are all of the step's tokens, in order (flat_index = arange)
+    # [B] int64 of a decode group: bit j set, query b skips the key j + 1 slots before its own (a tree of guesses'
+    # other branches; the masks have them too); None: none
+    hidden: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -46,7 +49,7 @@ class QueryGroup:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QueryGroup(move(self.query_index), move(self.query_valid), [move(t) for t in self.block_tables],
                           [move(m) for m in self.masks], move(self.flat_index), [move(t) for t in self.context_lens], self.is_causal,
-                          move(self.score_from), self.in_order)
+                          move(self.score_from), self.in_order, move(self.hidden))
 
 
 @dataclass(slots=True)
@@ -69,6 +72,6 @@ class ForwardContext:
 
     def kernel_arguments(self, layer: int) -> tuple | None:
         """Where the backend lets a fused layer op write this layer's new K/V and attend itself: the native decode
-        kernel's arguments (the layer's stores and formats, then the step's block tables, context lengths, window and
-        slots); else None, and the layer calls `attention`."""
+        kernel's arguments (the layer's stores and formats, then the step's block tables, context lengths, window,
+        slots and the keys each query skips); else None, and the layer calls `attention`."""
         return self.backend.layer_arguments(layer, self)

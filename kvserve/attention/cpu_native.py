@@ -51,16 +51,19 @@ class NativeCPUBackend(SDPABackend):
     def run_layers(self, x: torch.Tensor, ctx: ForwardContext, num_layers: int | None) -> torch.Tensor | None:
         if self.stack is None or ctx.step_arguments is None or x.shape[0] > self.stack_rows:
             return None
-        tables, lens, windows, slots = zip(*ctx.step_arguments)
-        return self.stack.forward(x, ctx.positions, tables, lens, windows, slots, self.stack_depth if num_layers is None else num_layers)
+        tables, lens, windows, slots, hidden = zip(*ctx.step_arguments)
+        return self.stack.forward(x, ctx.positions, tables, lens, windows, slots, self.stack_depth if num_layers is None else num_layers,
+                                  hidden[0])
 
     def step_arguments(self, ctx: ForwardContext) -> list[tuple] | None:
-        """Per KV group, the kernel's arguments of this step (block tables, context lengths, window, slots) where it
-        writes and attends for every token: a step of decodes alone, over a float, fp8, int8 or int4 cache, with no votes."""
+        """Per KV group, the kernel's arguments of this step (block tables, context lengths, window, slots and the keys
+        each query skips) where it writes and attends for every token: a step of decodes alone, over a float, fp8, int8
+        or int4 cache, with no votes."""
         group = ctx.groups[0]
         if not (self.writes and group.in_order and group.is_decode and group.score_from is None):
             return None
-        return [(group.block_tables[g], group.context_lens[g], self.windows[g], ctx.slot_mappings[g]) for g in range(len(self.windows))]
+        return [(group.block_tables[g], group.context_lens[g], self.windows[g], ctx.slot_mappings[g], group.hidden)
+                for g in range(len(self.windows))]
 
     def layer_arguments(self, layer: int, ctx: ForwardContext) -> tuple | None:
         """The native kernel's arguments for this layer in this step (its stores, then the step's), or None."""
@@ -73,8 +76,8 @@ class NativeCPUBackend(SDPABackend):
                 value_dims: int | None = None) -> torch.Tensor:
         arguments = self.layer_arguments(layer, ctx) if v is not None else None
         if arguments is not None:
-            *stores, tables, lens, window, slots = arguments
-            return native_ops().paged_decode_attention(q, stores[0], stores[1], tables, lens, scale, *stores[2:], window, k, v, slots)
+            *stores, tables, lens, window, slots, hidden = arguments
+            return native_ops().paged_decode_attention(q, stores[0], stores[1], tables, lens, scale, *stores[2:], window, k, v, slots, hidden)
         return super().forward(layer, q, k, v, ctx, scale, value_dims)
 
     def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float, value_dims: int | None = None) -> torch.Tensor:
@@ -82,4 +85,4 @@ class NativeCPUBackend(SDPABackend):
             return super().attend(g, j, q, group, scale, value_dims)
         k, v, *formats = self.stores[j]
         return native_ops().paged_decode_attention(q if group.in_order else q[group.flat_index], k, v, group.block_tables[g],
-                                                   group.context_lens[g], scale, *formats, self.windows[g])
+                                                   group.context_lens[g], scale, *formats, self.windows[g], hidden=group.hidden)

@@ -22,6 +22,7 @@ from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import open_checkpoint
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode import path
 from kvserve.spec_decode.proposers import parse_speculative
 
 
@@ -266,7 +267,7 @@ class LLMEngine:
                     seqs.append(seq)
                     limits.append(limit)
         for seq, guesses in zip(seqs, self.proposer.propose(seqs, limits) if seqs else []):
-            seq.draft_token_ids = guesses
+            seq.draft_token_ids, seq.draft_parents = guesses, self.proposer.parents(seq, len(guesses))
 
     def _verified(self, step: StepOutput) -> dict[Sequence, int]:
         """Each guessing sequence's rejected guesses (their K/V is rolled back); counts proposals and acceptances."""
@@ -279,7 +280,8 @@ class LLMEngine:
                 seq.metrics.num_accepted_tokens += kept
                 stats.num_draft_tokens += proposed
                 stats.num_accepted_tokens += kept
-                self.proposer.record(seq, proposed, kept)
+                parents = seq.draft_parents[:proposed]  # a tree's gate and next length count its deepest path
+                self.proposer.record(seq, max(len(path(parents, j)) for j in range(proposed)), kept)
                 seq.draft_token_ids = []
         return rejected
 

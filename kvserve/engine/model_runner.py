@@ -23,7 +23,7 @@ from kvserve.models.base import CausalLM, use_q8_weights
 from kvserve.layers.quantized import GGUFTensor, QuantizedWeight, gather_on_huge_pages, load_tensor
 from kvserve.models.loader import Checkpoint, load_weights
 from kvserve.models.registry import model_class
-from kvserve.spec_decode import verify
+from kvserve.spec_decode import chain, hidden_keys, path, verify
 
 
 NO_VOTES = 1 << 30  # a sequence's first voting query when none of its queries votes
@@ -96,8 +96,8 @@ class ModelRunner:
         rows, first = [], 0  # (sequence, logits row, its guesses before that row), one per sample
         for row in inputs.sampling_rows:
             seq = batch.seqs[row]
-            guesses = seq.draft_token_ids
-            rows += [(seq, first + j, guesses[:j]) for j in range(len(guesses) + 1)]
+            guesses, parents = seq.draft_token_ids, seq.draft_parents[:len(seq.draft_token_ids)]
+            rows += [(seq, first, [])] + [(seq, first + 1 + j, [guesses[i] for i in path(parents, j)]) for j in range(len(guesses))]
             rows += [(child, first, []) for child in seq.children]
             first += len(guesses) + 1
         sampling = SamplingBatch([s.params for s, _, _ in rows], [s.generator for s, _, _ in rows], [s.token_ids for s, _, _ in rows],
@@ -106,15 +106,21 @@ class ModelRunner:
         logits = logits.cpu()
         sampled = sample(logits if index == list(range(len(logits))) else logits[index], sampling)  # in order: no copy
         output = StepOutput([], [], [], sampled, votes)
-        at = 0
-        while at < len(rows):  # each sequence's samples are consecutive: one per guess, then one after them
+        at, moves = 0, []
+        while at < len(rows):  # each sequence's samples are consecutive: one after its newest token, then one per guess
             seq = rows[at][0]
             guesses = seq.draft_token_ids
-            tokens = verify(guesses, sampled.token_ids[at:at + len(guesses) + 1])
+            tokens, kept = verify(guesses, seq.draft_parents[:len(guesses)], sampled.token_ids[at:at + len(guesses) + 1])
             output.seqs.append(seq)
             output.tokens.append(tokens)
-            output.rows.append(list(range(at, at + len(tokens))))
+            output.rows.append([at] + [at + 1 + j for j in kept])
+            # a kept branch's K/V goes to the slots after the newest token's, where a chain's lies
+            moves += [(rows[at + 1 + j][1], rows[at + 1 + i][1]) for i, j in enumerate(kept) if i != j]
             at += len(guesses) + 1
+        if moves:
+            tokens = inputs.logits_index[torch.tensor(moves, device=inputs.logits_index.device)]
+            slots = inputs.ctx.slot_mappings
+            self.kv_cache.move([s[tokens[:, 0]] for s in slots], [s[tokens[:, 1]] for s in slots])
         if keep_features:  # the logits row of each sequence's last new token
             output.features = selected[[rows[sampled_rows[-1]][1] for sampled_rows in output.rows]]
         if inputs.prompt_rows:
@@ -166,6 +172,9 @@ class ModelRunner:
         if any(policies):  # RoPE positions are token positions, but for a policy that places tokens at their slots
             shift = np.array([0 if p is None or p.reposition else s.num_evicted_tokens for s, p in zip(batch.seqs, policies)])
             positions = positions + shift[owner]
+        trees = _trees(batch, offsets + real_counts, len(owner))
+        if trees is not None:  # a guess's position is its depth under the newest token
+            positions = positions - trees[0]
         q_starts, q_counts, q_offsets, q_tables = starts, counts, offsets, tables  # a query row per sequence...
         catch_up = not any(policies)  # (a policy's votes are counted per sequence, not per query)
         per_token = [bool(s.draft_token_ids) or (catch_up and s.num_computed_tokens >= s.num_prompt_tokens) for s in batch.seqs]
@@ -176,7 +185,8 @@ class ModelRunner:
         votes = _voters(batch) if any(policies) else None
         one = q_counts == 1
         selections = [one] if one.all() else [rows for rows in (one, ~one & (q_starts == 0), ~one & (q_starts > 0)) if rows.any()]
-        groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs, self.windows, votes) for rows in selections]
+        hidden = None if trees is None else trees[1][q_offsets]  # per query row
+        groups = [_group(rows, q_starts, q_counts, q_offsets, q_tables, bs, self.windows, votes, hidden) for rows in selections]
         groups[0].in_order = len(groups) == 1 and len(owner) == len(groups[0].flat_index)  # no padding, one group
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                          if s.num_computed_tokens + n == s.num_tokens + len(s.draft_token_ids)]
@@ -219,6 +229,22 @@ def _batch_tables(seqs: list[Sequence]) -> list[np.ndarray]:
     return list(np.maximum(tables, 0, out=tables))
 
 
+def _trees(batch: ScheduledBatch, ends: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Where a sequence's guesses branch (spec_decode: a proposer's tree), per token of the step: how far its
+    position lies before its slot (a guess's position is its depth), and the earlier guesses its attention skips
+    (hidden_keys); None where every sequence's guesses are a chain."""
+    back = hidden = None
+    for seq, end in zip(batch.seqs, ends.tolist()):
+        parents = seq.draft_parents[:len(seq.draft_token_ids)]
+        if parents == chain(len(parents)):
+            continue
+        if back is None:
+            back, hidden = np.zeros(num_tokens, dtype=np.int64), np.zeros(num_tokens, dtype=np.int64)
+        back[end - len(parents):end] = [j + 1 - len(path(parents, j)) for j in range(len(parents))]
+        hidden[end - len(parents):end] = np.array(hidden_keys(parents), dtype=np.uint64).view(np.int64)
+    return None if back is None else (back, hidden)
+
+
 def _queries_per_token(split: np.ndarray, starts, counts, offsets, tables: list[np.ndarray]):
     """Query rows where each `split` sequence's tokens are rows of one token (so the decode kernel serves them,
     with the arithmetic of one-token steps) and other sequences stay one row: starts, counts, offsets, tables."""
@@ -251,9 +277,11 @@ def _voters(batch: ScheduledBatch) -> np.ndarray | None:
 
 
 def _group(rows: np.ndarray, starts, counts, offsets, tables: list[np.ndarray], bs: int, windows: list[int | None],
-           votes: np.ndarray | None = None) -> QueryGroup:
+           votes: np.ndarray | None = None, hidden: np.ndarray | None = None) -> QueryGroup:
     """Pad the selected sequences' queries to [B, Q]; their keys are whole blocks, masked past each query. A sliding
-    group's keys start at the first block any query's window reaches, masked before each query's window."""
+    group's keys start at the first block any query's window reaches, masked before each query's window. `hidden`:
+    per query row, the keys a decode query skips (bit j: the one j + 1 slots before it; kvserve.kernels' attend),
+    where a tree of guesses branches; a window counts the keys it sees."""
     start, count, offset = starts[rows], counts[rows], offsets[rows]
     width = int(count.max())
     if width == 1:  # decodes: a query each, none padding (the same arrays, without the padding arithmetic)
@@ -268,18 +296,27 @@ def _group(rows: np.ndarray, starts, counts, offsets, tables: list[np.ndarray], 
         valid_at, flat = np.flatnonzero(valid), query_index[valid]
         from_start = bool((count > 1).all() and (start == 0).all())
     num_blocks = -(-int((start + count).max()) // bs)
+    skips = hidden[rows] if hidden is not None and width == 1 and hidden[rows].any() else None
+    seen = query_pos  # each query's place among the keys it sees
+    if skips is not None:
+        seen = query_pos - np.bitwise_count(skips.view(np.uint64)).astype(np.int64)[:, None, None]
     keys = {}  # window -> (first block, mask)
     for window in set(windows):
-        first = 0 if window is None else max(0, int(start.min()) - window + 1) // bs
+        first = 0 if window is None else max(0, int(seen[:, 0].min()) - window + 1) // bs
         key_pos = np.arange(first * bs, num_blocks * bs)[None, None, :]
-        allowed = key_pos <= query_pos if window is None else (key_pos <= query_pos) & (key_pos > query_pos - window)
+        allowed = key_pos <= query_pos if window is None else (key_pos <= query_pos) & (key_pos > seen - window)
+        if skips is not None:
+            back = query_pos - 1 - key_pos
+            bit = np.clip(back, 0, 63).astype(np.uint64)
+            allowed &= ~((back >= 0) & (back < 64) & ((skips.view(np.uint64)[:, None, None] >> bit) & np.uint64(1)).astype(bool))
         implicit = (from_start and (window is None or width <= window)) or bool(allowed.all())
         keys[window] = first, None if implicit else torch.from_numpy(allowed[:, None])
     tensor = torch.from_numpy
     return QueryGroup(tensor(query_index), tensor(valid_at),
                       [tensor(np.ascontiguousarray(t[rows, keys[w][0]:num_blocks])) for t, w in zip(tables, windows)],
                       [keys[w][1] for w in windows], tensor(flat), [tensor(start + count - keys[w][0] * bs) for w in windows],
-                      from_start, tensor(votes[rows]) if votes is not None and bool((votes[rows] < count).any()) else None)
+                      from_start, tensor(votes[rows]) if votes is not None and bool((votes[rows] < count).any()) else None,
+                      hidden=None if skips is None else tensor(np.ascontiguousarray(skips)))
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device,

@@ -44,7 +44,8 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids, filled lazily
         self.num_hashed_blocks = 0  # leading blocks of the tables registered in the prefix cache
         self.num_packed_blocks = 0  # kivi2: leading blocks already packed (the rest are float residual blocks)
-        self.draft_token_ids: list[int] = []  # speculative decoding: this step's guesses after the last token
+        self.draft_token_ids: list[int] = []  # speculative decoding: this step's guesses after the last token...
+        self.draft_parents: list[int] = []  # ...each one's parent guess (-1: the last token); the scheduler may cut both lists' tails
         self.spec_state = None  # the proposer's own, per sequence
         self.swapped_kinds: list[list[bool | None]] | None = None  # swapped out: per group and block, from the residual pool? (None: NULL)
         self.swapped_kv: dict | None = None  # the swapped-out values, held by the model runner

@@ -74,13 +74,15 @@ void check_rows(const at::Tensor& x, const char* name) {
 struct DecodeLayer;
 
 // A decode step's arguments, checked and contiguous: x [T, H]; per rotary table cos/sin [T, D]; per KV group the
-// block tables [T, W], context lengths [T] and the slots [T] the new K/V go to.
+// block tables [T, W], context lengths [T] and the slots [T] the new K/V go to; the keys each row skips (kva::attend).
 struct DecodeStep {
     int64_t T, H, D;
     std::vector<at::Tensor> cos, sin, tables, lens, slots;
+    c10::optional<at::Tensor> hidden;
 
     DecodeStep(const at::Tensor& x, const std::vector<at::Tensor>& cos_, const std::vector<at::Tensor>& sin_,
-               const std::vector<at::Tensor>& tables_, const std::vector<at::Tensor>& lens_, const std::vector<at::Tensor>& slots_) {
+               const std::vector<at::Tensor>& tables_, const std::vector<at::Tensor>& lens_, const std::vector<at::Tensor>& slots_,
+               const c10::optional<at::Tensor>& hidden_) : hidden(hidden_) {
         check_rows(x, "x");
         T = x.size(0), H = x.size(1), D = cos_.empty() ? 0 : cos_[0].size(-1);
         TORCH_CHECK(cos_.size() == sin_.size() && tables_.size() == lens_.size() && tables_.size() == slots_.size(), "step arguments do not pair up");
@@ -99,6 +101,7 @@ struct DecodeStep {
     void check(const kva::KVStores& kv, int64_t g, int64_t window) const {
         TORCH_CHECK(kva::head_dim(kv) == D, "the KV stores do not hold heads of ", D);
         kva::check_step(kv, tables[g], lens[g], window, &slots[g]);
+        kva::check_hidden(hidden, lens[g]);
     }
 
     // The layer over y in place, with rotary table r and KV group g.
@@ -211,14 +214,15 @@ struct DecodeLayer : torch::CustomClassHolder {
     // The whole layer for T decoding rows, x -> y (may be x): q/k/v, the new K/V written at their slots and attention
     // over the stores (arguments that passed kva::check_step), then the rest.
     void forward_rows(const float* x, int64_t T, int64_t H, const float* cos, const float* sin, int64_t D, const kva::KVStores& kv,
-                      const int64_t* tables, int64_t W, const int64_t* lens, int64_t window, const int64_t* slots, float* y) const {
+                      const int64_t* tables, int64_t W, const int64_t* lens, int64_t window, const int64_t* slots, const int64_t* hidden,
+                      float* y) const {
         thread_local std::vector<float> projected, attn;
         projected.resize(T * qkv.out), attn.resize(T * heads * D);
         kva::prefetch_context(kv, T, tables, W, lens, window);
         pre_rows(x, T, H, cos, sin, D, projected.data());
         const float* k_new = projected.data() + heads * D;
         const kva::NewKV fresh{k_new, k_new + kv_heads * D, qkv.out, D, qkv.out, D, slots};
-        kva::attend(kv, projected.data(), qkv.out, &fresh, T, heads, tables, W, lens, scale, window, attn.data());
+        kva::attend(kv, projected.data(), qkv.out, &fresh, T, heads, tables, W, lens, scale, window, hidden, attn.data());
         post_rows(x, attn.data(), T, H, heads * D, y);
     }
 
@@ -245,9 +249,9 @@ struct DecodeLayer : torch::CustomClassHolder {
     at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k,
                        const std::vector<at::Tensor>& v, int64_t k_format, int64_t v_format, const std::vector<at::Tensor>& k_residual,
                        const std::vector<at::Tensor>& v_residual, int64_t residual_format, const at::Tensor& block_tables,
-                       const at::Tensor& context_lens, int64_t window, const at::Tensor& slots) {
+                       const at::Tensor& context_lens, int64_t window, const at::Tensor& slots, const c10::optional<at::Tensor>& hidden) {
         const auto kv = kva::kv_stores(k, v, k_format, v_format, k_residual, v_residual, residual_format);
-        const DecodeStep step(x, {cos}, {sin}, {block_tables}, {context_lens}, {slots});
+        const DecodeStep step(x, {cos}, {sin}, {block_tables}, {context_lens}, {slots}, hidden);
         check(step.H, step.D);
         step.check(*kv, 0, window);
         at::Tensor y = x.clone();
@@ -258,7 +262,8 @@ struct DecodeLayer : torch::CustomClassHolder {
 
 void DecodeStep::run(const DecodeLayer& layer, const kva::KVStores& kv, int64_t r, int64_t g, int64_t window, float* y) const {
     layer.forward_rows(y, T, H, cos[r].data_ptr<float>(), sin[r].data_ptr<float>(), D, kv, tables[g].data_ptr<int64_t>(), tables[g].size(1),
-                       lens[g].data_ptr<int64_t>(), window, slots[g].data_ptr<int64_t>(), y);
+                       lens[g].data_ptr<int64_t>(), window, slots[g].data_ptr<int64_t>(),
+                       hidden.has_value() ? hidden->data_ptr<int64_t>() : nullptr, y);
 }
 
 // A model's fused layers bound to their KV stores, with its rotary tables and final norm: a decode step's whole
@@ -298,10 +303,10 @@ struct DecodeStack : torch::CustomClassHolder {
     void set_norm(const at::Tensor& weight, double eps) { norm.set(weight, eps); }
 
     // The first num_layers layers over x, then the final norm; the rotary tables' rows at `positions` [T]; per KV
-    // group the step's block tables, context lengths, window and slots (checked against the group's pool).
+    // group the step's block tables, context lengths, window and slots (checked against the group's pool); the keys each row skips (kva::attend; None: none).
     at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const std::vector<at::Tensor>& tables,
                        const std::vector<at::Tensor>& lens, const std::vector<int64_t>& windows, const std::vector<at::Tensor>& slots,
-                       int64_t num_layers) {
+                       int64_t num_layers, const c10::optional<at::Tensor>& hidden) {
         TORCH_CHECK(num_layers >= 0 && num_layers <= int64_t(layers.size()), "the stack has ", layers.size(), " layers, not ", num_layers);
         check_rows(x, "x");
         const int64_t T = x.size(0);
@@ -318,7 +323,7 @@ struct DecodeStack : torch::CustomClassHolder {
                 std::copy_n(sin_tables[r].data_ptr<float>() + p * D, D, sin.back().data_ptr<float>() + t * D);
             }
         }
-        const DecodeStep step(x, cos, sin, tables, lens, slots);
+        const DecodeStep step(x, cos, sin, tables, lens, slots, hidden);
         TORCH_CHECK(windows.size() == tables.size(), "one window per KV group");
         norm.check(step.H, "the final norm");
         std::vector<bool> checked_groups(tables.size());
@@ -363,21 +368,22 @@ struct FeatureDraft : torch::CustomClassHolder {
                     this->embed.size(1) == kvq::checked_layout(embed_type, H).row_bytes, "the embedding is not packed rows of ", H);
     }
 
-    // [B, k] guesses from each row's newest token [B] and the hidden state that gave it [B, H].
-    at::Tensor propose(const at::Tensor& tokens, const at::Tensor& features, int64_t k) {
+    // [B, k + width - 1] guesses from each row's newest token [B] and the hidden state that gave it [B, H]: k greedy
+    // steps, then the first step's next width - 1 likeliest tokens, likeliest first.
+    at::Tensor propose(const at::Tensor& tokens, const at::Tensor& features, int64_t k, int64_t width) {
         check_rows(features, "features");
-        const int64_t B = features.size(0), H = fc.out, V = head.out;
-        TORCH_CHECK(features.size(1) == H && tokens.scalar_type() == at::kLong && tokens.numel() == B && k >= 1,
-                    "propose takes [B] token ids, [B, ", H, "] hidden states and k >= 1");
+        const int64_t B = features.size(0), H = fc.out, V = head.out, K = k + width - 1;
+        TORCH_CHECK(features.size(1) == H && tokens.scalar_type() == at::kLong && tokens.numel() == B && k >= 1 && width >= 1 && width <= V,
+                    "propose takes [B] token ids, [B, ", H, "] hidden states, k >= 1 and 1 <= width <= ", V);
         const at::Tensor first = tokens.contiguous();
-        at::Tensor out = at::empty({B, k}, first.options());
+        at::Tensor out = at::empty({B, K}, first.options());
         const kvq::Layout rows = kvq::layout(int(embed_type), H);
         std::vector<float> in(B * 2 * H), x(B * H), h(B * H), logits(B * V);
         int64_t* guess = out.data_ptr<int64_t>();
         for (int64_t b = 0; b < B; ++b) std::copy_n(features.data_ptr<float>() + b * H, H, in.data() + b * 2 * H + H);
         for (int64_t step = 0; step < k; ++step) {
             for (int64_t b = 0; b < B; ++b) {
-                const int64_t token = step == 0 ? first.data_ptr<int64_t>()[b] : guess[b * k + step - 1];
+                const int64_t token = step == 0 ? first.data_ptr<int64_t>()[b] : guess[b * K + step - 1];
                 TORCH_CHECK(token >= 0 && token < embed.size(0), "token id ", token, " is past the embedding's ", embed.size(0), " rows");
                 kvq::dequantize_f32(int(embed_type), embed.data_ptr<uint8_t>(), rows, embed.size(0), token, token + 1, in.data() + b * 2 * H);
             }
@@ -389,7 +395,19 @@ struct FeatureDraft : torch::CustomClassHolder {
             head.apply(h.data(), B, H, int8, logits.data());
             for (int64_t b = 0; b < B; ++b) {
                 const float* row = logits.data() + b * V;
-                guess[b * k + step] = vocab.data_ptr<int64_t>()[std::max_element(row, row + V) - row];  // the first largest, as argmax
+                const int64_t* ids = vocab.data_ptr<int64_t>();
+                if (step > 0 || width == 1) {
+                    guess[b * K + step] = ids[std::max_element(row, row + V) - row];  // the first largest, as argmax
+                    continue;
+                }
+                std::vector<int64_t> top;  // the width largest, by value, the first of equal ones first
+                for (int64_t i = 0; i < V; ++i) {
+                    if (int64_t(top.size()) == width && !(row[i] > row[top.back()])) continue;
+                    top.insert(std::find_if(top.begin(), top.end(), [&](int64_t j) { return row[i] > row[j]; }), i);
+                    if (int64_t(top.size()) > width) top.pop_back();
+                }
+                guess[b * K] = ids[top[0]];
+                for (int64_t a = 1; a < width; ++a) guess[b * K + k + a - 1] = ids[top[a]];
             }
         }
         return out;

@@ -82,6 +82,13 @@ inline __m256 hsum8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+// A vector's lane sum in hsum8's order, so a key's score is the same whether it falls in a run of eight or not
+// (a tree of guesses packs the keys a query sees into runs of its own: kva::attend).
+inline float hsum_as8(__m256 v) {
+    const __m256 pairs = _mm256_hadd_ps(v, v), quads = _mm256_hadd_ps(pairs, pairs);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+}
+
 // scores[t] = scale * q . K[t] for the L keys at offsets rows[t].
 template <typename T>
 void query_scores(const float* q, const T* k, const int64_t* rows, int64_t L, int64_t D, float scale, float* scores) {
@@ -100,7 +107,7 @@ void query_scores(const float* q, const T* k, const int64_t* rows, int64_t L, in
         for (int j = 0; j < 8; ++j) partial[j] = dot_lanes(q, k + rows[t + j], D);
         _mm256_storeu_ps(scores + t, _mm256_mul_ps(hsum8(partial), _mm256_set1_ps(scale)));
     }
-    for (; t < L; ++t) scores[t] = hsum(dot_lanes(q, k + rows[t], D)) * scale;
+    for (; t < L; ++t) scores[t] = hsum_as8(dot_lanes(q, k + rows[t], D)) * scale;
 }
 
 // out += sum_t p[t] * V[t], accumulated in registers 64 columns at a time.
@@ -448,6 +455,17 @@ void check_step(const KVStores& s, const at::Tensor& block_tables, const at::Ten
     }
 }
 
+const int64_t* check_hidden(const c10::optional<at::Tensor>& hidden, const at::Tensor& context_lens) {
+    if (!hidden.has_value()) return nullptr;
+    const int64_t B = context_lens.numel();
+    TORCH_CHECK(hidden->scalar_type() == at::kLong && hidden->is_contiguous() && hidden->numel() == B, "hidden keys must be contiguous int64 [B]");
+    for (int64_t b = 0; b < B; ++b) {
+        const uint64_t m = uint64_t(hidden->data_ptr<int64_t>()[b]), len = uint64_t(context_lens.data_ptr<int64_t>()[b]);
+        TORCH_CHECK(len > 64 || (m >> (len - 1)) == 0, "query ", b, " hides keys before its first");
+    }
+    return hidden->data_ptr<int64_t>();
+}
+
 void prefetch_context(const KVStores& s, int64_t B, const int64_t* tables, int64_t W, const int64_t* lens, int64_t window) {
     const Store &k = s.k, &v = s.v;
     const int64_t bs = k.bs, block_bytes = bs * k.kvh * (row_bytes(k.format, k.dim) + row_bytes(v.format, v.dim));
@@ -460,7 +478,7 @@ void prefetch_context(const KVStores& s, int64_t B, const int64_t* tables, int64
 }
 
 void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fresh, int64_t B, int64_t H, const int64_t* tables,
-            int64_t W, const int64_t* lens, double scale, int64_t window, float* out) {
+            int64_t W, const int64_t* lens, double scale, int64_t window, const int64_t* hidden, float* out) {
     const kvt::Scope timed;
     const Store &ks = s.k, &vs = s.v, &rks = s.rk, &rvs = s.rv;
     const int64_t D = ks.dim, bs = ks.bs, KVH = ks.kvh, num_main = s.num_main;
@@ -471,7 +489,25 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
     }
     const int64_t* tp = tables;
     const int64_t* lp = lens;
-    auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lp[b] - window) : int64_t(0); };
+    // A tree of guesses (hidden): query b skips the keys whose bit j is set, at lens[b] - 2 - j, its tree's other
+    // branches. It sees its keys as the one-token step it stands for would, where they lie at consecutive positions:
+    // the window and the chunks count the keys it sees, and each chunk's scores are packed, so the sums are that step's.
+    auto mask = [&](int64_t b) { return hidden != nullptr ? uint64_t(hidden[b]) : uint64_t(0); };
+    auto seen = [&](int64_t b) { return lp[b] - __builtin_popcountll(mask(b)); };
+    auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, seen(b) - window) : int64_t(0); };
+    auto is_hidden = [&](int64_t b, int64_t t) {
+        const int64_t j = lp[b] - 2 - t;
+        return j >= 0 && j < 64 && (mask(b) >> j & 1);
+    };
+    auto slot_of = [&](int64_t b, int64_t key) {  // the slot of the key-th key query b sees: past each hidden slot below it
+        int64_t slot = key;
+        for (uint64_t m = mask(b); m != 0;) {  // the highest bit is the lowest hidden slot
+            const int j = 63 - __builtin_clzll(m);
+            m &= ~(uint64_t(1) << j);
+            if (lp[b] - 2 - j <= slot) ++slot;
+        }
+        return slot;
+    };
     // One task per (sequence, chunk of its context) covers every head, a block at a time, so each block's rows are
     // read whole and in order. Flash-decoding: a context of L keys splits into chunks of whole blocks, which threads
     // share (two from 128 keys on, so that both threads of a batch-1 step fetch the blocks the weight stream evicted;
@@ -486,7 +522,7 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
     int64_t stride = 0;  // the longest chunk: the scores buffer's row
     const int64_t threads = at::get_num_threads();
     for (int64_t b = 0; b < B; ++b) {
-        const int64_t L = lp[b] - first_key(b), most = std::clamp<int64_t>(L / (4 * bs), 1, 8);
+        const int64_t L = seen(b) - first_key(b), most = std::clamp<int64_t>(L / (4 * bs), 1, 8);
         const int64_t splits = most > threads ? most - most % threads : most;
         chunks[b] = ceil_div(ceil_div(L, splits), bs) * bs, stride = std::max(stride, chunks[b]);
         tasks[b + 1] = tasks[b] + ceil_div(L, chunks[b]);
@@ -499,30 +535,42 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
     at::parallel_for(0, tasks[B], 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(H * stride), buffer(bs * D), cscale(D), cmin(D);
         std::vector<int64_t> rows(bs);
-        // Rows of block `id` of K or V (main store m, residual store r) for head g, handed to f as a typed pointer with
-        // `rows`: float caches where they lie, other formats dequantized into `buffer`.
-        auto with_block_rows = [&](const Store& m, const Store& r, int64_t id, int64_t n, int64_t g, auto&& f) {
+        // Rows o.. o + n - 1 of block `id` of K or V (main store m, residual store r) for head g, at slots t.., handed to
+        // f as a typed pointer with `rows` + o and their count: float caches where they lie, other formats dequantized
+        // into `buffer`; the rows query b does not see are left out.
+        auto with_block_rows = [&](const Store& m, const Store& r, int64_t id, int64_t o, int64_t n, int64_t g, int64_t b, int64_t t,
+                                   auto&& f) {
             const Store& s = id >= num_main ? r : m;
             if (id >= num_main) id -= num_main;
+            auto pass = [&](const auto* base) {
+                int64_t count = n;
+                if (mask(b) != 0) {
+                    count = 0;
+                    for (int64_t i = 0; i < n; ++i)
+                        if (!is_hidden(b, t + i)) rows[o + count++] = rows[o + i];
+                }
+                f(base, count);
+            };
             if (s.format <= BF16) {
-                for (int64_t o = 0; o < n; ++o) rows[o] = ((id * bs + o) * KVH + g) * D;
-                if (s.format == F32) f(reinterpret_cast<const float*>(s.data));
-                else if (s.format == F16) f(reinterpret_cast<const Half16*>(s.data));
-                else f(reinterpret_cast<const Brain16*>(s.data));
+                for (int64_t i = 0; i < o + n; ++i) rows[i] = ((id * bs + i) * KVH + g) * D;
+                if (s.format == F32) pass(reinterpret_cast<const float*>(s.data));
+                else if (s.format == F16) pass(reinterpret_cast<const Half16*>(s.data));
+                else pass(reinterpret_cast<const Brain16*>(s.data));
                 return;
             }
             if (s.format == INT2_CHANNEL) s.channel_meta(id, g, cscale.data(), cmin.data());
-            for (int64_t o = 0; o < n; ++o) {
-                s.dequant_row(id, o, g, cscale.data(), cmin.data(), buffer.data() + o * D);
-                rows[o] = o * D;
+            for (int64_t i = 0; i < o + n; ++i) {
+                s.dequant_row(id, i, g, cscale.data(), cmin.data(), buffer.data() + i * D);
+                rows[i] = i * D;
             }
-            f(static_cast<const float*>(buffer.data()));
+            pass(static_cast<const float*>(buffer.data()));
         };
         for (int64_t item = begin; item < end; ++item) {
             const int64_t b = std::upper_bound(tasks, tasks + B + 1, item) - tasks - 1;
-            const int64_t t0 = first_key(b) + (item - tasks[b]) * chunks[b], t1 = std::min(lp[b], t0 + chunks[b]), L = t1 - t0;
+            const int64_t k0 = first_key(b) + (item - tasks[b]) * chunks[b], k1 = std::min(seen(b), k0 + chunks[b]), L = k1 - k0;
+            const int64_t t0 = slot_of(b, k0), t1 = slot_of(b, k1 - 1) + 1;  // the chunk's slots (all of them, seen or not)
             float* part = pp + item * H * (D + 2);
-            for (int64_t t = t0, n; t < t1; t += n) {  // a window starts anywhere in a block: o rows of it are skipped
+            for (int64_t t = t0, n, at = 0, count = 0; t < t1; t += n, at += count) {  // a window starts anywhere in a block: o rows of it are skipped
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
                 // the blocks of a table lie anywhere: ask for the next K block, and this V block for the pass below;
@@ -531,12 +579,13 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                 s.prefetch(vs, rvs, tp[b * W + t / bs], false);
                 s.touch(ks, rks, tp[b * W + t / bs]);
                 for (int64_t g = 0; g < KVH; ++g)
-                    with_block_rows(ks, rks, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
-                        float* s = scores.data() + g * G * stride + t - t0;
-                        if (wide) kva::scores_avx512(format_of(base), q + b * q_stride + g * G * D, G, base, rows.data() + o, n, D, float(scale), s, stride);
+                    with_block_rows(ks, rks, tp[b * W + t / bs], o, n, g, b, t, [&](const auto* base, int64_t c) {
+                        float* s = scores.data() + g * G * stride + at;
+                        count = c;
+                        if (wide) kva::scores_avx512(format_of(base), q + b * q_stride + g * G * D, G, base, rows.data() + o, c, D, float(scale), s, stride);
                         else
                             for (int64_t h = 0; h < G; ++h)
-                                query_scores(q + b * q_stride + (g * G + h) * D, base, rows.data() + o, n, D, float(scale), s + h * stride);
+                                query_scores(q + b * q_stride + (g * G + h) * D, base, rows.data() + o, c, D, float(scale), s + h * stride);
                     });
             }
             for (int64_t h = 0; h < H; ++h) {
@@ -544,16 +593,17 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                 std::fill(part + h * (D + 2), part + h * (D + 2) + D, 0.0f);
                 part[h * (D + 2) + D] = m, part[h * (D + 2) + D + 1] = sum;
             }
-            for (int64_t t = t0, n; t < t1; t += n) {
+            for (int64_t t = t0, n, at = 0, count = 0; t < t1; t += n, at += count) {
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
                 s.touch(vs, rvs, tp[b * W + t / bs]);
                 for (int64_t g = 0; g < KVH; ++g)
-                    with_block_rows(vs, rvs, tp[b * W + t / bs], o + n, g, [&](const auto* base) {
-                        const float* p = scores.data() + g * G * stride + t - t0;
-                        if (wide) kva::values_avx512(format_of(base), p, stride, G, base, rows.data() + o, n, D, part + g * G * (D + 2), D + 2);
+                    with_block_rows(vs, rvs, tp[b * W + t / bs], o, n, g, b, t, [&](const auto* base, int64_t c) {
+                        const float* p = scores.data() + g * G * stride + at;
+                        count = c;
+                        if (wide) kva::values_avx512(format_of(base), p, stride, G, base, rows.data() + o, c, D, part + g * G * (D + 2), D + 2);
                         else
-                            for (int64_t h = 0; h < G; ++h) weighted_values(p + h * stride, base, rows.data() + o, n, D, part + (g * G + h) * (D + 2));
+                            for (int64_t h = 0; h < G; ++h) weighted_values(p + h * stride, base, rows.data() + o, c, D, part + (g * G + h) * (D + 2));
                     });
             }
             if (tasks[b + 1] - tasks[b] == 1) {  // the whole context in one chunk: normalize here, no merge
@@ -594,13 +644,13 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
 // in residual_format; empty lists: no residual pool). window > 0: each query sees only its last `window` keys
 // (a sliding-window layer; the blocks before them are never read). k_new/v_new [B, KVH, D] and slots [B]: the new
 // tokens' K/V, first written at their slots (of the residual pool where there is one, whose slots follow the main
-// pool's), for float stores.
+// pool's), for float stores. hidden [B]: keys each query skips (kva::attend).
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   int64_t k_format, int64_t v_format, const std::vector<at::Tensor>& k_residual,
                                   const std::vector<at::Tensor>& v_residual, int64_t residual_format, int64_t window,
                                   const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
-                                  const c10::optional<at::Tensor>& slots) {
+                                  const c10::optional<at::Tensor>& slots, const c10::optional<at::Tensor>& hidden) {
     TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be fp32 [B, H, D]");
     const at::Tensor q = q_in.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
     const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -620,13 +670,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
     }
     at::Tensor out = at::empty_like(q);
     kva::attend(*stores, q.data_ptr<float>(), H * D, slots.has_value() ? &fresh : nullptr, B, H, tables.data_ptr<int64_t>(),
-                tables.size(1), lens.data_ptr<int64_t>(), scale, window, out.data_ptr<float>());
+                tables.size(1), lens.data_ptr<int64_t>(), scale, window, kva::check_hidden(hidden, lens), out.data_ptr<float>());
     return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("paged_decode_attention(Tensor q, Tensor[] k, Tensor[] v, Tensor block_tables, Tensor context_lens, float scale, "
           "int k_format, int v_format, Tensor[] k_residual, Tensor[] v_residual, int residual_format, int window=0, "
-          "Tensor? k_new=None, Tensor? v_new=None, Tensor? slots=None) -> Tensor",
+          "Tensor? k_new=None, Tensor? v_new=None, Tensor? slots=None, Tensor? hidden=None) -> Tensor",
           &paged_decode_attention);
 }

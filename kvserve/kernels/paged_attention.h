@@ -11,7 +11,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
                                   int64_t k_format, int64_t v_format, const std::vector<at::Tensor>& k_residual,
                                   const std::vector<at::Tensor>& v_residual, int64_t residual_format, int64_t window,
                                   const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
-                                  const c10::optional<at::Tensor>& slots);
+                                  const c10::optional<at::Tensor>& slots, const c10::optional<at::Tensor>& hidden);
 
 namespace kva {
 
@@ -39,10 +39,14 @@ struct NewKV {
     const int64_t* slots;
 };
 
+// TORCH_CHECKs a step's hidden keys (see attend), [B] int64, against its context lengths; their data, or nullptr for none.
+const int64_t* check_hidden(const c10::optional<at::Tensor>& hidden, const at::Tensor& context_lens);
+
 // Writes `fresh` (if given), then out [B, H, D] = attention of the B queries (query b's H heads at q + b * q_stride)
-// over their blocks; the arguments must have passed check_step.
+// over their blocks; the arguments must have passed check_step. hidden (nullptr: none): per query, bit j set skips
+// the key at lens[b] - 2 - j (a tree of guesses: the branches a guess does not descend from).
 void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fresh, int64_t B, int64_t H, const int64_t* tables,
-            int64_t W, const int64_t* lens, double scale, int64_t window, float* out);
+            int64_t W, const int64_t* lens, double scale, int64_t window, const int64_t* hidden, float* out);
 
 // Asks for the first blocks of each sequence's context (its window's, in a sliding layer), up to 256 KiB of K and V,
 // into L2: called before a decode step's q/k/v projection, it fetches what attention reads first while the

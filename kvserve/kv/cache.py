@@ -108,6 +108,17 @@ class KVCache:
                 v = values[0].gather(0, index[..., None].expand(-1, -1, values.shape[-1])) if self.v[j] else None
                 self.write(j, k, v, slots)
 
+    def move(self, sources: list[torch.Tensor], dests: list[torch.Tensor]) -> None:
+        """Copy tokens' K/V as stored (every part of the format new tokens are written in) from slots to slots,
+        per layer group (a tree of guesses' kept branch, to the slots after the newest token's)."""
+        offset = self.num_blocks * self.block_size if self.residual_k is not None else 0  # written slots lie in the residual pool
+        for src, dst in zip(sources, dests):
+            src, dst = src - offset, dst - offset
+            for j in range(self.layout.layers_per_group):
+                for _, views in self._writes[j]:
+                    for view in views.values():
+                        view.index_copy_(0, dst, view.index_select(0, src))
+
     def pack(self, pairs: list[tuple[int, int]]) -> None:
         """Quantize residual blocks into main blocks: (residual id, main id) pairs."""
         src = torch.tensor([s - self.num_blocks for s, _ in pairs], device=self.device)

@@ -26,6 +26,7 @@ from kvserve.layers.linear import Linear, VocabSubset
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import gather_on_huge_pages
 from kvserve.models.base import CausalLM, use_q8_weights
+from kvserve.spec_decode import chain
 from kvserve.spec_decode.draft import read_draft_vocab, write_draft_vocab
 from kvserve.spec_decode.proposer import MAX_BATCH, Proposer, check_ints
 
@@ -97,12 +98,17 @@ class FeatureDraft(nn.Module):
 class EagleProposer(Proposer):
     shared_gate = True
 
-    def __init__(self, model: str = "", k: int = 0, min_acceptance: int = 20, window: int = 32, max_batch: int = MAX_BATCH):
-        """k = 0: as many guesses as the draft was trained to make on its own predictions (its depth)."""
+    def __init__(self, model: str = "", k: int = 0, width: int = 1, min_acceptance: int = 20, window: int = 32, max_batch: int = MAX_BATCH):
+        """k = 0: as many guesses in a row as the draft was trained to make on its own predictions (its depth).
+        width > 1: a tree, where the first guess has width - 1 other candidates beside it (the draft's next likeliest
+        tokens), each verified in the same pass."""
         super().__init__(k or 1, min_acceptance, window, max_batch)
+        check_ints(width=width)
         if not model or not isinstance(model, str):
             raise KVServeError("the eagle proposer needs model=DIR (made by kvserve distill --eagle)")
-        self.model, self.k_given = model, bool(k)
+        if not 1 <= width <= 8:
+            raise KVServeError(f"the eagle proposer's width must be 1 to 8, got {width}")
+        self.model, self.k_given, self.width = model, bool(k), width
 
     def start(self, engine) -> None:
         draft, vocab = FeatureDraft.load(Path(self.model))
@@ -113,7 +119,7 @@ class EagleProposer(Proposer):
         if vocab is not None and max(vocab) >= target.config.vocab_size:
             raise KVServeError(f"the feature draft lists token ids past the model's vocabulary ({target.config.vocab_size})")
         if not self.k_given:
-            self.k = self.shared.k = draft.config["depth"]
+            self.k = self.shared.k = max(1, min(draft.config["depth"], 16))
         ids = torch.tensor(vocab if vocab is not None else range(target.config.vocab_size), dtype=torch.long)
         self.head = VocabSubset(target.lm_head, ids)
         linears = (draft.fc, draft.gate_up_proj, draft.down_proj, self.head.head)
@@ -132,28 +138,37 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        """k greedy steps for every sequence whose newest token came with its hidden state (not one whose tokens a
-        preemption's recompute or a stop string changed since)."""
+        """k greedy steps (at most its limit), then the first step's other candidates, for every sequence whose
+        newest token came with its hidden state (not one whose tokens a preemption's recompute or a stop string
+        changed since)."""
         ready = [i for i, seq in enumerate(seqs) if self.state(seq).own is not None and self.state(seq).own[0] == seq.num_tokens]
         guesses: list[list[int]] = [[] for _ in seqs]
         if not ready:
             return guesses
         tokens = torch.tensor([seqs[i].token_ids[-1] for i in ready], device=self.head.ids.device)
         features = torch.stack([self.state(seqs[i]).own[1] for i in ready])
-        for i, row in zip(ready, self.guess(tokens, features, max(limits[i] for i in ready)).tolist()):
-            guesses[i] = row[:limits[i]]
+        k = max(limits[i] for i in ready)
+        for i, row in zip(ready, self.guess(tokens, features, k).tolist()):
+            guesses[i] = row[:limits[i]] + row[k:]
         return guesses
 
+    def parents(self, seq: Sequence, count: int) -> list[int]:
+        return chain(count - self.width + 1) + [-1] * (self.width - 1) if count else []
+
     def guess(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
-        """[B, k] greedy guesses after each row's newest token [B] and the hidden state that gave it [B, hidden]."""
+        """[B, k + width - 1]: k greedy guesses after each row's newest token [B] and the hidden state that gave it
+        [B, hidden], then the first guess's width - 1 runners-up, likeliest first."""
         if self.fused is not None and len(tokens) <= self.fused_rows:  # more rows: the modules' GEMM path multiplies them
-            return self.fused.propose(tokens, features, k)
-        steps = []
-        for _ in range(k):
+            return self.fused.propose(tokens, features, k, self.width)
+        steps, others = [], []
+        for step in range(k):
             features = self.draft(self.embed(tokens), features)
-            tokens = self.head.ids[self.head.head(features).argmax(-1)]
+            logits = self.head.head(features)
+            tokens = self.head.ids[logits.argmax(-1)]
             steps.append(tokens)
-        return torch.stack(steps, 1)
+            if step == 0 and self.width > 1:
+                others = list(self.head.ids[logits.topk(self.width, -1).indices[:, 1:]].unbind(1))
+        return torch.stack(steps + others, 1)
 
     def forget(self, seq: Sequence) -> None:
         if seq.spec_state is not None:

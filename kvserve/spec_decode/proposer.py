@@ -6,6 +6,7 @@ from collections import deque
 from typing import Any
 
 from kvserve.errors import KVServeError
+from kvserve.spec_decode import chain
 
 # Guesses only while at most this many sequences decode in a step (each proposer's max_batch): on a 2-core CPU, 16
 # decoding requests with ngram guesses ran at 0.83x; one request's verification of 5 guesses costs ~2 steps.
@@ -52,6 +53,11 @@ class Proposer:
         """Up to `limit` guessed next tokens for each sequence, one batch for all."""
         raise NotImplementedError
 
+    def parents(self, seq, count: int) -> list[int]:
+        """The tree of the `count` guesses `propose` just made for a sequence: each one's parent guess (-1: the
+        sequence's newest token), parents first. A chain: each guess follows the one before."""
+        return chain(count)
+
     def begin_step(self) -> None:
         """A step starts: a shared gate's pause counts steps (a sequence's own counts its steps in lookahead)."""
         if self.shared_gate and self.shared.paused > 0:
@@ -66,9 +72,9 @@ class Proposer:
         return self.state(seq).k
 
     def record(self, seq, proposed: int, accepted: int) -> None:
-        """After verification: the next guess's length, and the gate."""
+        """After verification: the next guess's length (a tree's: its deepest path), and the gate."""
         state = self.state(seq)
-        state.k = min(self.k, 2 * state.k) if accepted == proposed else accepted + 1
+        state.k = min(self.k, 2 * state.k if accepted >= min(proposed, state.k) else accepted + 1)
         gate = self.shared if self.shared_gate else state
         gate.history.append((proposed, accepted))
         total = sum(p for p, _ in gate.history)
