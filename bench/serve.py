@@ -3,9 +3,11 @@
 At each concurrency (1, 8, 32) it keeps that many streaming completions in flight and records output
 tokens/s, p50/p99 TTFT and inter-token latency. The offline engine's throughput at batch 1 and at the highest
 concurrency is measured in this same run, on prompts alike; the last lines are the server's share of each (issue
-16: one client should stream as fast as the offline engine decodes).
+16: one client should stream as fast as the offline engine decodes). One client and the offline engine at batch 1
+take turns, `--rounds` times (both loaded, the idle one waiting): the machine's slow spells fall on both alike, and
+the ratio is of their medians.
 
-    python bench/serve.py [--concurrency 1,8,32] [--prompt-len 64] [--new-tokens 64]
+    python bench/serve.py [--concurrency 1,8,32] [--prompt-len 64] [--new-tokens 64] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -115,6 +117,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     rng = random.Random(0)
@@ -123,20 +126,30 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = start_server(args.model, port, max(levels))
-    rows = []
+    top = max(levels)
+    server = start_server(args.model, port, top)
+    llm = LLM(args.model, max_num_seqs=top)
+    rows, offline, turns = [], {}, []
     try:
         asyncio.run(one_request("127.0.0.1", port, make(1)[0], 4))  # warm-up, as the offline engine gets
         for c in levels:
-            prompts = make(num_requests(c))
-            rows.append((c, len(prompts), asyncio.run(load("127.0.0.1", port, prompts, args.new_tokens, c))))
+            if c != 1:
+                prompts = make(num_requests(c))
+                rows.append((c, len(prompts), asyncio.run(load("127.0.0.1", port, prompts, args.new_tokens, c))))
+                continue
+            for _ in range(args.rounds):  # one client and the offline engine at batch 1, in turns, on the same prompts
+                prompts = make(num_requests(1))
+                turns.append((asyncio.run(load("127.0.0.1", port, prompts, args.new_tokens, 1)),
+                              offline_rate(llm, prompts, 1, args.new_tokens)))
     finally:
         server.terminate()
         server.wait(timeout=30)
-
-    top = max(levels)
-    llm = LLM(args.model, max_num_seqs=top)
-    offline = {batch: offline_rate(llm, make(num_requests(batch)), batch, args.new_tokens) for batch in dict.fromkeys([1, top])}
+    if turns:
+        middle = sorted(turns, key=lambda t: t[0]["tokens_per_s"])[len(turns) // 2][0]
+        rows.insert(0, (1, num_requests(1), middle))
+        offline[1] = sorted((t[1] for t in turns), key=lambda o: o[0])[len(turns) // 2]
+    if top not in offline:
+        offline[top] = offline_rate(llm, make(num_requests(top)), top, args.new_tokens)
 
     print(f"\nprompts {args.prompt_len} tokens, {args.new_tokens} new tokens, streaming completions on loopback")
     for c, n, r in rows:
@@ -147,6 +160,9 @@ def main() -> None:
     for batch, (rate, itl) in offline.items():
         streamed = f"   ITL p50 {itl * 1000:6.2f} ms" if batch == 1 else ""
         print(f"  offline engine, batch {batch:3d} ({num_requests(batch):3d} requests): {rate:7.1f} output tok/s{streamed}")
+    if turns:
+        print(f"  one client / offline batch 1, each of {len(turns)} turns: "
+              + " ".join(f"{t[0]['tokens_per_s'] / t[1][0]:.2f}" for t in turns) + " (the lines above: medians)")
     for c, _, r in rows:
         if c in offline:
             itl = f", {percentile(r['itl'], .5) / offline[c][1]:.2f} ITL p50" if c == 1 else ""
