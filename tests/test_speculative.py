@@ -358,6 +358,23 @@ def test_random_trees_of_guesses_keep_outputs_and_blocks(request, pair, seed, k,
     assert spec.scheduler.stats.num_accepted_tokens - accepted_before == spec.proposer.expected_accepted
 
 
+@pytest.mark.parametrize("kv", ["int8", "int4", "fp8_e4m3", "kivi2"])
+def test_a_kept_branch_moves_in_every_kv_format(tiny_model_dir_d32, kv):
+    """The kept branch's K/V moves as stored (a quantized format's codes and scales; kivi2's float residual
+    blocks): outputs stay the plain engine's in that format."""
+    options = dict(num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_dtype=kv, **FP32)
+    if kv == "kivi2":
+        options["kivi_residual"] = 8
+    plain = LLM(str(tiny_model_dir_d32), **options).engine
+    spec = LLM(str(tiny_model_dir_d32), speculative="ngram", **options).engine
+    prompts, params = [[(7 * i + 3 * j) % 256 for j in range(5 + 4 * i)] for i in range(3)], [greedy(n) for n in (17, 9, 14)]
+    reference = _run(plain, prompts, params)
+    spec.proposer = TreeOracleProposer(reference, 3, random.Random(1))
+    spec.proposer.trees = {}
+    assert _run(spec, prompts, params) == reference
+    assert spec.scheduler.stats.num_accepted_tokens == spec.proposer.expected_accepted > 0
+
+
 def test_a_self_draft_in_a_busy_small_pool_keeps_outputs_and_frees_its_blocks(tiny_model_dir_d32):
     options = dict(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, **FP32)
     plain = LLM(str(tiny_model_dir_d32), **options).engine
