@@ -570,7 +570,8 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
             const int64_t k0 = first_key(b) + (item - tasks[b]) * chunks[b], k1 = std::min(seen(b), k0 + chunks[b]), L = k1 - k0;
             const int64_t t0 = slot_of(b, k0), t1 = slot_of(b, k1 - 1) + 1;  // the chunk's slots (all of them, seen or not)
             float* part = pp + item * H * (D + 2);
-            for (int64_t t = t0, n, at = 0, count = 0; t < t1; t += n, at += count) {  // a window starts anywhere in a block: o rows of it are skipped
+            // block by block; a window starts anywhere in a block (o rows of it are skipped); `at`: the keys seen before
+            for (int64_t t = t0, n, at = 0, count = 0; t < t1; t += n, at += count) {
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
                 // the blocks of a table lie anywhere: ask for the next K block, and this V block for the pass below;
