@@ -375,6 +375,23 @@ def test_a_kept_branch_moves_in_every_kv_format(tiny_model_dir_d32, kv):
     assert spec.scheduler.stats.num_accepted_tokens == spec.proposer.expected_accepted > 0
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_tree_in_a_sliding_window_layer_counts_the_keys_each_guess_sees(tiny_sliding_dir, native):
+    """A 6-token window over a tree of up to 5 guesses: each guess's window is its branch's, as in the one-token
+    step it stands for (and the group's blocks that slid out go back as usual)."""
+    options = dict(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, native_kernels=native, **FP32)
+    plain = LLM(str(tiny_sliding_dir), **options).engine
+    spec = LLM(str(tiny_sliding_dir), speculative="ngram", **options).engine
+    prompts, params = [[(11 * i + 5 * j) % 256 for j in range(6 + 5 * i)] for i in range(3)], [greedy(n) for n in (20, 13, 17)]
+    reference = _run(plain, prompts, params)
+    for seed in range(3):
+        spec.proposer = TreeOracleProposer(reference, 3, random.Random(seed))
+        spec.proposer.trees = {}
+        accepted = spec.scheduler.stats.num_accepted_tokens
+        assert _run(spec, prompts, params) == reference
+        assert spec.scheduler.stats.num_accepted_tokens - accepted == spec.proposer.expected_accepted > 0
+
+
 def test_a_self_draft_in_a_busy_small_pool_keeps_outputs_and_frees_its_blocks(tiny_model_dir_d32):
     options = dict(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, **FP32)
     plain = LLM(str(tiny_model_dir_d32), **options).engine
