@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvserve import LLM, KVServeError, SamplingParams
 from kvserve.kernels import native_ops
 from kvserve.layers.sampler import SamplingBatch, sample
-from kvserve.spec_decode import chain, hidden_keys, path, verify
+from kvserve.spec_decode import chain, depths, hidden_keys, path, verify
 from kvserve.spec_decode.proposers import parse_speculative
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.proposer import Proposer
@@ -78,7 +78,7 @@ def test_verify_walks_a_tree_down_the_branch_its_samples_confirm():
     assert verify(guesses, parents, [1, 2, 0, 6, 8]) == ([1, 2, 0], [0, 1])
     assert verify(guesses, parents, [4, 2, 0, 7, 8]) == ([4, 7], [2])  # 2 is a guess, but not under 4
     assert verify(guesses, parents, [5, 2, 0, 6, 8]) == ([5], [])
-    assert [path(parents, j) for j in range(4)] == [[0], [0, 1], [2], [2, 3]]
+    assert [path(parents, j) for j in range(4)] == [[0], [0, 1], [2], [2, 3]] and depths(parents) == [1, 2, 1, 2]
     assert hidden_keys(parents) == [0, 0, 0b11, 0b110]  # 4 skips 1 and 2; 6 skips them too, not 4
     assert hidden_keys(chain(5)) == [0] * 5
 

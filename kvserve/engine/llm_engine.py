@@ -22,7 +22,7 @@ from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import open_checkpoint
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode import path
+from kvserve.spec_decode import depths
 from kvserve.spec_decode.proposers import parse_speculative
 
 
@@ -280,8 +280,7 @@ class LLMEngine:
                 seq.metrics.num_accepted_tokens += kept
                 stats.num_draft_tokens += proposed
                 stats.num_accepted_tokens += kept
-                parents = seq.draft_parents[:proposed]  # a tree's gate and next length count its deepest path
-                self.proposer.record(seq, max(len(path(parents, j)) for j in range(proposed)), kept)
+                self.proposer.record(seq, max(depths(seq.guess_parents)), kept)  # a tree's gate and next length: its deepest path
                 seq.draft_token_ids = []
         return rejected
 

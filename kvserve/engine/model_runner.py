@@ -23,7 +23,7 @@ from kvserve.models.base import CausalLM, use_q8_weights
 from kvserve.layers.quantized import GGUFTensor, QuantizedWeight, gather_on_huge_pages, load_tensor
 from kvserve.models.loader import Checkpoint, load_weights
 from kvserve.models.registry import model_class
-from kvserve.spec_decode import chain, hidden_keys, path, verify
+from kvserve.spec_decode import chain, depths, hidden_keys, path, verify
 
 
 NO_VOTES = 1 << 30  # a sequence's first voting query when none of its queries votes
@@ -96,7 +96,7 @@ class ModelRunner:
         rows, first = [], 0  # (sequence, logits row, its guesses before that row), one per sample
         for row in inputs.sampling_rows:
             seq = batch.seqs[row]
-            guesses, parents = seq.draft_token_ids, seq.draft_parents[:len(seq.draft_token_ids)]
+            guesses, parents = seq.draft_token_ids, seq.guess_parents
             rows += [(seq, first, [])] + [(seq, first + 1 + j, [guesses[i] for i in path(parents, j)]) for j in range(len(guesses))]
             rows += [(child, first, []) for child in seq.children]
             first += len(guesses) + 1
@@ -110,7 +110,7 @@ class ModelRunner:
         while at < len(rows):  # each sequence's samples are consecutive: one after its newest token, then one per guess
             seq = rows[at][0]
             guesses = seq.draft_token_ids
-            tokens, kept = verify(guesses, seq.draft_parents[:len(guesses)], sampled.token_ids[at:at + len(guesses) + 1])
+            tokens, kept = verify(guesses, seq.guess_parents, sampled.token_ids[at:at + len(guesses) + 1])
             output.seqs.append(seq)
             output.tokens.append(tokens)
             output.rows.append([at] + [at + 1 + j for j in kept])
@@ -235,12 +235,12 @@ def _trees(batch: ScheduledBatch, ends: np.ndarray, num_tokens: int) -> tuple[np
     (hidden_keys); None where every sequence's guesses are a chain."""
     back = hidden = None
     for seq, end in zip(batch.seqs, ends.tolist()):
-        parents = seq.draft_parents[:len(seq.draft_token_ids)]
+        parents = seq.guess_parents
         if parents == chain(len(parents)):
             continue
         if back is None:
             back, hidden = np.zeros(num_tokens, dtype=np.int64), np.zeros(num_tokens, dtype=np.int64)
-        back[end - len(parents):end] = [j + 1 - len(path(parents, j)) for j in range(len(parents))]
+        back[end - len(parents):end] = np.arange(1, len(parents) + 1) - np.array(depths(parents))
         hidden[end - len(parents):end] = np.array(hidden_keys(parents), dtype=np.uint64).view(np.int64)
     return None if back is None else (back, hidden)
 

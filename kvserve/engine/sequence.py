@@ -45,7 +45,7 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks of the tables registered in the prefix cache
         self.num_packed_blocks = 0  # kivi2: leading blocks already packed (the rest are float residual blocks)
         self.draft_token_ids: list[int] = []  # speculative decoding: this step's guesses after the last token...
-        self.draft_parents: list[int] = []  # ...each one's parent guess (-1: the last token); the scheduler may cut both lists' tails
+        self.draft_parents: list[int] = []  # ...each one's parent guess as proposed (-1: the last token); see guess_parents
         self.spec_state = None  # the proposer's own, per sequence
         self.swapped_kinds: list[list[bool | None]] | None = None  # swapped out: per group and block, from the residual pool? (None: NULL)
         self.swapped_kv: dict | None = None  # the swapped-out values, held by the model runner
@@ -68,6 +68,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def guess_parents(self) -> list[int]:
+        """The parents of the guesses this step verifies: the scheduler may have cut the guesses' tail."""
+        return self.draft_parents[:len(self.draft_token_ids)]
 
     @property
     def num_slots(self) -> int:

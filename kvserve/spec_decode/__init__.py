@@ -24,6 +24,14 @@ def path(parents: list[int], node: int) -> list[int]:
     return nodes[::-1]
 
 
+def depths(parents: list[int]) -> list[int]:
+    """Each guess's depth under the newest token: 1 for its children (parents come first)."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 + (depth[parent] if parent >= 0 else 0))
+    return depth
+
+
 def hidden_keys(parents: list[int]) -> list[int]:
     """Per guess, the earlier guesses its attention skips, those it does not descend from: bit j - 1 - i for guess
     i before guess j (guess i's key lies j - i slots before j's, after the newest token's). Zero for a chain."""
