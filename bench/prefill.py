@@ -50,7 +50,7 @@ def main() -> None:
     prompts = {n: [1000 + (i * 37) % 20000 for i in range(n)] for n in lengths}
     kvserve_prefill(llm, prompts[lengths[0]]), transformers_prefill(hf, prompts[lengths[0]])  # warm-up
     print(f"\nprefill, {torch.get_num_threads()} threads, {DEVICE}; kvserve matmuls in "
-          f"{'bf16' if llm.engine.config.bf16_matmuls else 'fp32'}, transformers in fp32; median of {args.rounds}")
+          f"{llm.engine.runner.model.describe_matmuls()}, transformers in fp32; median of {args.rounds}")
     for n in lengths:
         ours, theirs = [], []
         for _ in range(args.rounds):

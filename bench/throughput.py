@@ -5,8 +5,9 @@ submitted at once. Prints output tokens/s, p50/p99 time to first token and the s
 slots that held no token (averaged over steps), then the ratios, all measured in this one run; last, the FLOP/s
 the decode-only steps' matmuls reach, against an fp32 (and, where kvserve uses it, bf16) GEMM timed here.
 
-kvserve multiplies in bf16 where the CPU does so natively (matmul_dtype "auto"); `--matmul-dtype float32`
-and `--transformers-dtype bfloat16` compare like with like.
+kvserve multiplies a GGUF model's packed weights by int8 activations and a dense model's in bf16 where the CPU
+does so natively (matmul_dtype "auto"); `--matmul-dtype float32` and `--transformers-dtype bfloat16` compare like
+with like.
 
     python bench/throughput.py [--num-requests 64] [--min-prompt 32] [--max-prompt 512] [--new-tokens 128]
 """
@@ -109,7 +110,7 @@ def main() -> None:
         llm = LLM(args.model, scheduler=scheduler, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
                   matmul_dtype=args.matmul_dtype)
         results.append(run_kvserve(name, llm, prompts, args.new_tokens))
-        bf16, kv = llm.engine.config.bf16_matmuls, llm.engine.layout.dtype_name
+        bf16, kv, matmuls = llm.engine.config.bf16_matmuls, llm.engine.layout.dtype_name, llm.engine.runner.model.describe_matmuls()
         del llm
     if not args.skip_transformers:
         results.append(run_transformers(resolve_model_path(args.model), prompts, args.new_tokens, args.max_num_seqs, args.transformers_dtype))
@@ -117,7 +118,7 @@ def main() -> None:
     lengths = [len(p) for p in prompts]
     print(f"\n{args.num_requests} requests, prompts {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}), "
           f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {torch.get_num_threads()} threads, {DEVICE}, "
-          f"kvserve matmuls in {'bf16' if bf16 else 'fp32'}, KV cache {kv}")
+          f"kvserve matmuls in {matmuls}, KV cache {kv}")
     for r in results:
         ttft = f"TTFT p50 {percentile(r.ttft, 0.5):6.1f} s  p99 {percentile(r.ttft, 0.99):6.1f} s" if r.ttft else "TTFT n/a"
         waste = f"KV waste {r.kv_waste * 100:5.1f}%" if r.kv_waste is not None else ""

@@ -223,13 +223,22 @@ class EngineConfig:
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo; none where there is no such file)."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
+
+
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: oneDNN multiplies bf16 in hardware (elsewhere it emulates, no faster than fp32)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def cpu_has_amx() -> bool:
+    """AMX tiles: oneDNN's bf16 GEMMs run on them."""
+    return "amx_bf16" in cpu_flags()
 
 
 def _check_device(device: str) -> None:

@@ -1,24 +1,32 @@
 """A linear layer whose weight is dense, or kept in its GGUF file's quantized format (layers/quantized.py).
 
-Decoding reads every weight once per step, so it is memory-bound: a step of a few tokens multiplies the
-4/5/6/8-bit weights in place (kvserve.kernels), while prefill, compute-bound, runs a GEMM over tiles of
-the weight dequantized a few MB at a time. With bf16 matmuls a dense weight is kept in bf16 and tiles are
-dequantized to bf16, which CPUs with AVX512-BF16 or AMX multiply ~4x faster than fp32.
+The kernels (kvserve.kernels) multiply the 4/5/6/8-bit weights in place: decode steps, memory-bound, and with
+int8 activations (the default) every step, prefill included, where integer dot products outrun a float GEMM.
+Past `kernel_rows` a step runs a GEMM over tiles of the weight dequantized a few MB at a time. With bf16
+matmuls a dense weight is kept in bf16 and tiles are dequantized to bf16, which CPUs with AVX512-BF16 or AMX
+multiply ~4x faster than fp32.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.config import cpu_has_amx
 from kvserve.layers.quantized import QuantizedWeight
 
-# Up to this many rows the kernels beat dequantizing the weight for a GEMM: fp32 activations against fp32 tiles;
-# int8 activations against fp32 or bf16 tiles. Measured on a 2-core Zen 5 (AVX-512 VNNI and BF16), all of
-# SmolLM2's layers: fp32 kernel 28 ms / fp32 tiles 31 ms at 16 rows, 46 / 38 at 24; int8 kernel 41 / fp32 tiles 76
-# at 64; with panels of 16 rows (kernels/quants.h), int8 kernel 8.6 / bf16 tiles 27.5 ms at 24, 18.7 / 46.1 at 64.
+# Up to this many rows the fp32-activation kernels beat dequantizing the weight for a GEMM of fp32 tiles. Measured
+# on a 2-core Zen 5 (AVX-512 VNNI and BF16), all of SmolLM2's layers: kernel 28 ms / tiles 31 ms at 16 rows, 46 / 38 at 24.
 MAX_KERNEL_ROWS = 16
-MAX_KERNEL_ROWS_INT8 = 64
+# The int8-activation kernels beat fp32 and bf16 tiles at every row count measured: on a 2-core AMD EPYC with
+# AVX-512 VNNI and BF16, all of SmolLM2's linears took 0.60-0.65 ms a row at 64 to 1,024 rows, bf16 tiles 0.86-1.28,
+# fp32 tiles 1.7-2.3, and the kernels forced to AVX2 1.3-1.4. So every step uses them, and a row's numbers never
+# depend on how many rows share its step: a request's output is the same alone or batched, whatever the chunking.
+# Not where the CPU has AMX (not measured here: its bf16 tiles are several times AVX-512's), whose steps over this
+# many rows keep the GEMM.
+MAX_KERNEL_ROWS_INT8_AMX = 64
 # For a few rows against a wide weight, MKL's x @ W^T takes a slow path (4 rows x the 49152-wide head: 42 ms),
 # while W @ x^T, the same numbers, is fast (9 ms); past this many rows x @ W^T catches up.
 MAX_TRANSPOSED_ROWS = 256
@@ -42,7 +50,9 @@ class Linear(nn.Linear):
     @property
     def kernel_rows(self) -> int:
         """Up to this many rows a quantized weight multiplies in place; more run a GEMM over dequantized tiles."""
-        return MAX_KERNEL_ROWS_INT8 if self.int8_activations else MAX_KERNEL_ROWS
+        if not self.int8_activations:
+            return MAX_KERNEL_ROWS
+        return MAX_KERNEL_ROWS_INT8_AMX if cpu_has_amx() else sys.maxsize
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:

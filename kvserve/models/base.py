@@ -85,6 +85,14 @@ class CausalLM(nn.Module):
         dense = sorted({str(p.dtype).removeprefix("torch.") for p in self.parameters()})
         return f"weights {self.weight_bytes() / 2**20:.0f} MiB ({', '.join(packed) + ' packed; ' if packed else ''}{', '.join(dense)})"
 
+    def describe_matmuls(self) -> str:
+        """How the linear layers multiply, for reports: 'int8 activations' (packed weights through the kernels,
+        layers/linear.py), else 'bf16' or 'fp32'."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if any(m.qweight is not None and m.int8_activations for m in linears):
+            return "int8 activations"
+        return "bf16" if any(m.gemm_dtype == torch.bfloat16 for m in linears) else "fp32"
+
     def use_bf16_matmuls(self) -> None:
         """Every linear layer multiplies in bf16: a dense weight is kept in bf16 (the LM head untied from the
         embedding, which stays fp32), a quantized one dequantizes its tiles to bf16; activations stay fp32 and
