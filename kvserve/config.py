@@ -153,6 +153,9 @@ class EngineConfig:
     kivi_residual: int = 128
     kv_policy: str | None = None  # which cached tokens requests keep, e.g. "streaming:sinks=4,window=1024" (kvserve.kv.policies)
     speculative: str | None = None  # a proposer, e.g. "ngram:k=4" (kvserve.spec_decode)
+    # A prompt's tokens attend as decode queries (the decode kernel, each over its own context), so a request's
+    # numbers never depend on what shares its steps or how its prompt is chunked; long prompts prefill slower.
+    batch_invariant: bool = False
     seed: int = 0
 
     def validate(self) -> None:

@@ -149,3 +149,35 @@ def test_a_request_decodes_the_same_alone_and_batched(monkeypatch):
     for a, b in zip(alone, together):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+
+
+def test_batch_invariant_prompts_compute_the_same_however_they_are_chunked(monkeypatch):
+    """batch_invariant: a prompt's tokens attend as decode queries (the decode kernel's arithmetic, which depends on
+    each query's context alone), so a prompt's logits are bit for bit the same in one step, in chunks of any size,
+    and one token a step, and a request's output the same alone or beside another that splits its prompt's chunks
+    differently. Without it, SDPA's blocking made chunks of 5, 33 or 60 of a 65-token prompt differ, and such a
+    prompt answer differently alone (a 64-token chunk, then one) and batched."""
+    monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
+    llm = LLM("smollm2-135m", kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=64, batch_invariant=True)
+    assert llm.engine.runner.backend.batch_invariant
+    prompt = llm.engine.tokenize("Once upon a time, in a village between two rivers, there lived " * 6, add_special_tokens=False)[:65]
+    whole = chunked_logits(llm, prompt, 1024)
+    for chunk in (1, 5, 33, 60):
+        assert torch.equal(chunked_logits(llm, prompt, chunk), whole), chunk
+    prompts, params = [prompt[30:60], prompt], greedy(24, logprobs=0)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    for a, b in zip(alone, together):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+
+
+def test_batch_invariant_needs_the_stacked_int8_kernels_and_no_kv_policy(monkeypatch):
+    monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
+    with pytest.raises(KVServeError, match="batch_invariant needs a GGUF model's layers stacked on the native CPU kernels"):
+        LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True, **FP32)
+    with pytest.raises(KVServeError, match="kv_policy h2o cannot run with batch_invariant"):
+        LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True, kv_policy="h2o:budget=0.5")
+    monkeypatch.setattr(linear, "cpu_has_amx", lambda: True)  # bf16 tiles past 64 rows
+    with pytest.raises(KVServeError, match="batch_invariant needs"):
+        LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True)

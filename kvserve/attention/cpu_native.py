@@ -1,7 +1,10 @@
 """fp32 on CPU: decode queries go to kvserve.kernels, which reads each sequence's blocks in place, in any
-KV format, dequantizing in registers; prefill chunks use SDPA. A step of decodes alone
-writes its new K/V and attends in one call, over a float, fp8, int8 or int4 cache."""
+KV format, dequantizing in registers; prefill chunks use SDPA (with batch_invariant, a prompt's tokens are decode
+queries too: engine/model_runner.py). A step of decodes alone writes its new K/V and attends in one call, over a
+float, fp8, int8 or int4 cache."""
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -39,7 +42,7 @@ class NativeCPUBackend(SDPABackend):
         if not self.writes or any(getattr(layer, "fused", None) is None for layer in layers) or None in self.stores:
             return
         self.stack, self.stack_rows = torch.classes.kvserve.DecodeStack(), min(layer.fused_rows for layer in layers)
-        self.stack_depth = len(layers)
+        self.stack_depth, self.batch_invariant = len(layers), self.stack_rows == sys.maxsize
         rope_kinds = list(dict.fromkeys(layer.self_attn.rope for layer in layers))
         for kind in rope_kinds:
             self.stack.add_rope(model.rotary[kind].cos, model.rotary[kind].sin)

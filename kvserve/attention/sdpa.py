@@ -10,6 +10,10 @@ from kvserve.kv.cache import KVCache
 
 
 class SDPABackend:
+    # Whether a step's rows never depend on each other (cpu_native's stacked layers, their kernels at every step
+    # size): then, with prompt tokens attending as decode queries, a request's numbers are its own (batch_invariant).
+    batch_invariant = False
+
     def __init__(self, cache: KVCache):
         self.cache = cache
 

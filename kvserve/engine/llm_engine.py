@@ -89,6 +89,8 @@ class LLMEngine:
             return None
         if policy is None:
             return None
+        if config.batch_invariant:
+            raise KVServeError(f"kv_policy {policy.name} cannot run with batch_invariant: its votes come from attention over whole prompt chunks")
         if layout.merge is not None:
             raise KVServeError(f"this engine's KV layout merges layers ({layout.merge}); a request cannot add kv_policy {policy.name}")
         if any(g.spec.kind != "full" for g in layout.groups):

@@ -76,6 +76,10 @@ class ModelRunner:
         self.backend = NativeCPUBackend(self.kv_cache) if self.native else self.sdpa
         if self.native:
             self.backend.stack_layers(self.model)
+        if config.batch_invariant and not self.backend.batch_invariant:
+            raise KVServeError("batch_invariant needs a GGUF model's layers stacked on the native CPU kernels with int8 "
+                               "activations at every step size (not matmul_dtype=float32, --no-native-kernels, CUDA, "
+                               "a KV format the decode kernel cannot write, or a CPU with AMX)")
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
 
     @torch.inference_mode()
@@ -177,9 +181,13 @@ class ModelRunner:
             positions = positions - trees[0]
         q_starts, q_counts, q_offsets, q_tables = starts, counts, offsets, tables  # a query row per sequence...
         catch_up = not any(policies)  # (a policy's votes are counted per sequence, not per query)
-        per_token = [bool(s.draft_token_ids) or (catch_up and s.num_computed_tokens >= s.num_prompt_tokens) for s in batch.seqs]
-        if any(per_token) and counts.max() > 1:  # ...but the tokens of a guessing sequence, or of a draft catching up
-            # on its output past the prompt, attend as decodes, each with its own context (the arithmetic of one-token steps)
+        prompts_too = self.config.batch_invariant and not batch.rectangular
+        per_token = [bool(s.draft_token_ids) or (catch_up and (prompts_too or s.num_computed_tokens >= s.num_prompt_tokens))
+                     for s in batch.seqs]
+        if any(per_token) and counts.max() > 1:  # ...but the tokens of a guessing sequence, of a draft catching up on
+            # its output past the prompt, and of a prompt where the kernel attends in every layer, attend as decodes,
+            # each with its own context: the arithmetic of one-token steps, so that a token's numbers never depend on
+            # how its sequence was chunked or batched
             q_starts, q_counts, q_offsets, q_tables = _queries_per_token(np.array(per_token), starts, counts, offsets, tables)
         # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
         votes = _voters(batch) if any(policies) else None

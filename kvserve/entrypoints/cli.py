@@ -50,6 +50,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", default=None, metavar="PROPOSER",
                         help="speculative decoding, NAME[:key=value,...]: ngram[:k=5,n=3] (prompt lookup), "
                              "draft:model=PATH[,k=4] (a small model), self:layers=N[,k=3] (the model's first N layers)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="a request's output never depends on what shares its steps or how its prompt is chunked "
+                             "(GGUF models on the native CPU kernels; long prompts prefill slower)")
     parser.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -61,7 +64,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         preemption_mode=args.preemption_mode, scheduler=args.scheduler, use_kv_cache=not args.no_kv_cache,
         native_kernels=not args.no_native_kernels, matmul_dtype=args.matmul_dtype, kv_cache_dtype=args.kv_cache_dtype,
         cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, kivi_residual=args.kivi_residual,
-        kv_policy=args.kv_policy, speculative=args.speculative, seed=args.seed,
+        kv_policy=args.kv_policy, speculative=args.speculative, batch_invariant=args.batch_invariant, seed=args.seed,
     )
 
 

@@ -23,7 +23,8 @@ MAX_KERNEL_ROWS = 16
 # The int8-activation kernels beat fp32 and bf16 tiles at every row count measured: on a 2-core AMD EPYC with
 # AVX-512 VNNI and BF16, all of SmolLM2's linears took 0.60-0.65 ms a row at 64 to 1,024 rows, bf16 tiles 0.86-1.28,
 # fp32 tiles 1.7-2.3, and the kernels forced to AVX2 1.3-1.4. So every step uses them, and a row's numbers never
-# depend on how many rows share its step: a request's output is the same alone or batched, whatever the chunking.
+# depend on how many rows share its step (a request's output is the same alone or batched; batch_invariant makes
+# prompt attention independent of the chunking too).
 # Not where the CPU has AMX (not measured here: its bf16 tiles are several times AVX-512's), whose steps over this
 # many rows keep the GEMM.
 MAX_KERNEL_ROWS_INT8_AMX = 64
