@@ -181,3 +181,14 @@ def test_batch_invariant_needs_the_stacked_int8_kernels_and_no_kv_policy(monkeyp
     monkeypatch.setattr(linear, "cpu_has_amx", lambda: True)  # bf16 tiles past 64 rows
     with pytest.raises(KVServeError, match="batch_invariant needs"):
         LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True)
+
+
+def test_batch_invariant_with_speculative_decoding_keeps_the_tokens(monkeypatch):
+    """A draft only guesses, so its runner needs no batch_invariant; the target's tokens stay the plain engine's."""
+    monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
+    params = greedy(24)
+    plain = LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True).generate(["The capital of France is"], params, use_tqdm=False)
+    spec = LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True, speculative="self:layers=10,min_acceptance=0")
+    out = spec.generate(["The capital of France is"], params, use_tqdm=False)[0]
+    assert not spec.engine.proposer.runner.config.batch_invariant and out.metrics.num_draft_tokens > 0
+    assert out.outputs[0].token_ids == plain[0].outputs[0].token_ids

@@ -185,9 +185,9 @@ class ModelRunner:
         per_token = [bool(s.draft_token_ids) or (catch_up and (prompts_too or s.num_computed_tokens >= s.num_prompt_tokens))
                      for s in batch.seqs]
         if any(per_token) and counts.max() > 1:  # ...but the tokens of a guessing sequence, of a draft catching up on
-            # its output past the prompt, and of a prompt where the kernel attends in every layer, attend as decodes,
-            # each with its own context: the arithmetic of one-token steps, so that a token's numbers never depend on
-            # how its sequence was chunked or batched
+            # its output past the prompt, and, with batch_invariant, of a prompt attend as decodes, each with its own
+            # context: the arithmetic of one-token steps, so that a token's numbers never depend on how its sequence
+            # was chunked or batched
             q_starts, q_counts, q_offsets, q_tables = _queries_per_token(np.array(per_token), starts, counts, offsets, tables)
         # Decodes; prefills from position 0 (causal); prefill chunks after cached or computed tokens (masked).
         votes = _voters(batch) if any(policies) else None

@@ -62,8 +62,9 @@ class ModelProposer(Proposer):
         if checkpoint.config.vocab_size != engine.checkpoint.config.vocab_size:
             raise KVServeError(f"the draft's vocabulary ({checkpoint.config.vocab_size} tokens) is not the target's "
                                f"({engine.checkpoint.config.vocab_size}); a draft needs the target's tokenizer")
+        # (the draft only guesses: the target's numbers alone decide the output, batch_invariant or not)
         config = dataclasses.replace(engine.config, model=checkpoint.name, speculative=None, kv_cache_dtype="auto",
-                                     cache_type_k=None, cache_type_v=None, enable_prefix_caching=False)
+                                     cache_type_k=None, cache_type_v=None, enable_prefix_caching=False, batch_invariant=False)
         layout = build_layout(spec_from_hf_config(hf_config, checkpoint.name), *config.kv_dtypes, config.block_size)
         num_blocks = engine.kv_manager.num_blocks // len(engine.layout.groups) * len(layout.groups)  # the target's tokens
         self.runner = ModelRunner(checkpoint, config, engine.max_model_len, layout, num_blocks, model=model, q8_weights=True)
