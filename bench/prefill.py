@@ -5,7 +5,7 @@ prefix cache off and the engine's default 512 tokens a step, so 2,048 tokens tak
 one forward pass over the N tokens and takes the last logits. Each figure is the median of --rounds runs,
 the two engines taking turns.
 
-    python bench/prefill.py [--model smollm2-135m] [--lengths 128,512,2048] [--rounds 5]
+    python bench/prefill.py [--model smollm2-135m] [--lengths 128,512,2048] [--rounds 5] [--batch-invariant]
 """
 from __future__ import annotations
 
@@ -43,14 +43,16 @@ def main() -> None:
     parser.add_argument("--lengths", default="128,512,2048")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="kvserve's")
+    parser.add_argument("--batch-invariant", action="store_true", help="kvserve's prompt tokens attend as decode queries")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
-    llm = LLM(args.model, enable_prefix_caching=False, matmul_dtype=args.matmul_dtype)
+    llm = LLM(args.model, enable_prefix_caching=False, matmul_dtype=args.matmul_dtype, batch_invariant=args.batch_invariant)
     hf = transformers_model(resolve_model_path(args.model)).to(DEVICE).eval()
     prompts = {n: [1000 + (i * 37) % 20000 for i in range(n)] for n in lengths}
     kvserve_prefill(llm, prompts[lengths[0]]), transformers_prefill(hf, prompts[lengths[0]])  # warm-up
     print(f"\nprefill, {torch.get_num_threads()} threads, {DEVICE}; kvserve matmuls in "
-          f"{llm.engine.runner.model.describe_matmuls()}, transformers in fp32; median of {args.rounds}")
+          f"{llm.engine.runner.model.describe_matmuls()}{', batch-invariant' if args.batch_invariant else ''}, transformers in fp32; "
+          f"median of {args.rounds}")
     for n in lengths:
         ours, theirs = [], []
         for _ in range(args.rounds):
