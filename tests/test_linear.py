@@ -44,6 +44,11 @@ def test_matmul_dtype_setting(tiny_model_dir):
         LLM(str(tiny_model_dir), matmul_dtype="int8")
 
 
+@pytest.fixture
+def no_amx(monkeypatch):
+    """A CPU without AMX, whatever this one has: int8 activations take the kernels at every step size."""
+
+
 def test_kernel_rows_by_activations_and_cpu(monkeypatch):
     """fp32 activations: the kernels up to 16 rows, a GEMM over tiles past them. int8 activations: the kernels at any
     row count, but where the CPU has AMX, whose bf16 tiles take steps over 64 rows."""
@@ -93,13 +98,12 @@ def chunked_logits(llm: LLM, prompt: list[int], chunk: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 1024])
-def test_int8_activations_track_fp32_on_smollm2(smollm2, chunk, monkeypatch):
+def test_int8_activations_track_fp32_on_smollm2(smollm2, chunk, no_amx):
     """The default matmul_dtype multiplies the GGUF blocks by int8-quantized activations, in steps of a few tokens
     and in a whole prompt's (1024: one step); teacher-forced over the fp32 model's answer, the KL and the greedy
     agreement bound the cost (measured on AVX-512: mean KL 5.1e-3 / 4.6e-3 / 4.6e-3, max 4.1e-2 / 4.0e-2 / 4.0e-2,
     agreement 95% / 96% / 96% for 1- / 4- / 1024-token steps, the last two equal as a row's numbers do not depend on
     its step's size; the Q4_1 weights themselves cost far more against the original model)."""
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
     fast = LLM("smollm2-135m", kv_cache_memory="64MiB")
     assert fast.engine.runner.model.describe_matmuls() == "int8 activations"
     assert smollm2.engine.runner.model.describe_matmuls() == "fp32"
@@ -134,30 +138,34 @@ def test_rms_norm_under_bf16_autocast_normalizes_in_the_inputs_dtype():
     torch.testing.assert_close(y.float(), norm(linear(x)), atol=0.05, rtol=0.02)
 
 
-def test_a_request_decodes_the_same_alone_and_batched(monkeypatch):
+def assert_same_alone_and_batched(llm: LLM, prompts: list, params) -> list:
+    """Each prompt's tokens and logprobs generated alone equal those generated beside the others; the batch's outputs."""
+    together = llm.generate(prompts, params, use_tqdm=False)
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    for a, b in zip(alone, together):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+    return together
+
+
+def test_a_request_decodes_the_same_alone_and_batched(no_amx):
     """int8 activations at every step size: a row's numbers never depend on the rows beside it, so a prompt gets the
     same tokens and logprobs alone as batched. Alone, the short prompt's prefill is a step of a few rows and the long
     one's of ~70; batched, ~80 (before, past 64 rows a GEMM of bf16 or fp32 tiles took the step, and four chat
     prompts' first logprobs moved by up to 0.16, one answer from its first token)."""
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
     llm = LLM("smollm2-135m", kv_cache_memory="64MiB")
     prompts = ["The capital of France is", "Once upon a time, in a village between two rivers, there lived " * 5]
     params = greedy(24, logprobs=0)
-    together = llm.generate(prompts, params, use_tqdm=False)
-    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    together = assert_same_alone_and_batched(llm, prompts, params)
     assert 64 < sum(len(out.prompt_token_ids) for out in together) < 2 * 64
-    for a, b in zip(alone, together):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
 
 
-def test_batch_invariant_prompts_compute_the_same_however_they_are_chunked(monkeypatch):
+def test_batch_invariant_prompts_compute_the_same_however_they_are_chunked(no_amx):
     """batch_invariant: a prompt's tokens attend as decode queries (the decode kernel's arithmetic, which depends on
     each query's context alone), so a prompt's logits are bit for bit the same in one step, in chunks of any size,
     and one token a step, and a request's output the same alone or beside another that splits its prompt's chunks
     differently. Without it, SDPA's blocking made chunks of 5, 33 or 60 of a 65-token prompt differ, and such a
     prompt answer differently alone (a 64-token chunk, then one) and batched."""
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
     llm = LLM("smollm2-135m", kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=64, batch_invariant=True)
     assert llm.engine.runner.backend.batch_invariant
     prompt = llm.engine.tokenize("Once upon a time, in a village between two rivers, there lived " * 6, add_special_tokens=False)[:65]
@@ -165,15 +173,10 @@ def test_batch_invariant_prompts_compute_the_same_however_they_are_chunked(monke
     for chunk in (1, 5, 33, 60):
         assert torch.equal(chunked_logits(llm, prompt, chunk), whole), chunk
     prompts, params = [prompt[30:60], prompt], greedy(24, logprobs=0)
-    together = llm.generate(prompts, params, use_tqdm=False)
-    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
-    for a, b in zip(alone, together):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+    assert_same_alone_and_batched(llm, prompts, params)
 
 
-def test_batch_invariant_needs_the_stacked_int8_kernels_and_no_kv_policy(monkeypatch):
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
+def test_batch_invariant_needs_the_stacked_int8_kernels_and_no_kv_policy(no_amx, monkeypatch):
     with pytest.raises(KVServeError, match="batch_invariant needs a GGUF model's layers stacked on the native CPU kernels"):
         LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True, **FP32)
     with pytest.raises(KVServeError, match="kv_policy h2o cannot run with batch_invariant"):
@@ -183,9 +186,8 @@ def test_batch_invariant_needs_the_stacked_int8_kernels_and_no_kv_policy(monkeyp
         LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True)
 
 
-def test_batch_invariant_with_speculative_decoding_keeps_the_tokens(monkeypatch):
+def test_batch_invariant_with_speculative_decoding_keeps_the_tokens(no_amx):
     """A draft only guesses, so its runner needs no batch_invariant; the target's tokens stay the plain engine's."""
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
     params = greedy(24)
     plain = LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True).generate(["The capital of France is"], params, use_tqdm=False)
     spec = LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True, speculative="self:layers=10,min_acceptance=0")
