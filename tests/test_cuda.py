@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve import LLM, KVServeError
-from tests.conftest import greedy
+from tests.conftest import FP32, greedy
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
 PROMPTS = [list(range(1, 9)), list(range(40, 97)), [7] * 30, list(range(200, 203))]
@@ -68,8 +68,8 @@ def test_cuda_bfloat16_halves_kv_and_tracks_fp32(tiny_model_dir):
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "int8", "int4", "kivi2"])
 def test_cuda_quantized_kv_tracks_the_cpu(tiny_model_dir_d32, dtype):
     """Every KV format runs on CUDA (SDPA over dequantized blocks) and holds what the CPU path holds."""
-    cpu = LLM(str(tiny_model_dir_d32), device="cpu", num_blocks=64, block_size=4, kv_cache_dtype=dtype, kivi_residual=8)
-    cuda = LLM(str(tiny_model_dir_d32), device="cuda", num_blocks=64, block_size=4, kv_cache_dtype=dtype, kivi_residual=8)
+    options = dict(num_blocks=64, block_size=4, kv_cache_dtype=dtype, kivi_residual=8, **FP32)  # bf16 CPU matmuls would differ
+    cpu, cuda = LLM(str(tiny_model_dir_d32), device="cpu", **options), LLM(str(tiny_model_dir_d32), device="cuda", **options)
     for llm in (cpu, cuda):
         llm.generate(PROMPTS, greedy(NEW), use_tqdm=False)  # fills, packs (kivi2) and frees blocks
         assert llm.engine.kv_manager.pool.num_used == 0

@@ -43,7 +43,7 @@ def step_logits(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[list[int]
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens += out.outputs[0].new_token_ids
-            logits.append(engine.runner.last_logits[0].clone())
+            logits.append(engine.runner.last_logits[0].cpu())
     return tokens, torch.stack(logits)
 
 
@@ -57,7 +57,7 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
         inputs = engine.runner.prepare(batch)
         logits = engine.runner.model.compute_logits(engine.runner.model(inputs.input_ids, inputs.ctx))
     engine.kv_manager.free(seq)
-    return logits
+    return logits.cpu()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -68,7 +68,7 @@ def test_logits_match_transformers(tmp_path, case, device):
     prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     tokens, logits = step_logits(llm, prompt, 12)
     with torch.no_grad():
-        expected = hf(torch.tensor([prompt + tokens], device=device)).logits[0]
+        expected = hf(torch.tensor([prompt + tokens], device=device)).logits[0].cpu()
     torch.testing.assert_close(prefill_logits(llm, prompt), expected[: len(prompt)], atol=1e-4, rtol=0)
     torch.testing.assert_close(logits, expected[len(prompt) - 1: -1], atol=1e-4, rtol=0)
     assert tokens == expected[len(prompt) - 1: -1].argmax(-1).tolist()

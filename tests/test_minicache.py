@@ -95,7 +95,7 @@ def _check_against_reference(engine, written, policy) -> None:
                     merged = _slerp(u, w, policy.t)
                     want_a = torch.where(kept[..., None], first, merged * first.norm(dim=-1, keepdim=True))
                     want_b = torch.where(kept[..., None], second, merged * second.norm(dim=-1, keepdim=True))
-                    table = torch.tensor([[block]])
+                    table = torch.tensor([[block]], device=cache.device)
                     got_a = cache.gather(a, table)[store_index][0, :filled]
                     got_b = cache.gather(b, table)[store_index][0, :filled]
                     torch.testing.assert_close(got_a, want_a, atol=1e-5, rtol=1e-4)

@@ -226,7 +226,7 @@ def test_a_drafts_steps_past_the_prompt_run_in_the_native_layer_stack(tiny_model
     """The draft's layers are fused before its runner stacks them, and its catch-up on several tokens past the
     prompt (accepted guesses, then the target's token) attends as decodes: every step after the prompt is one
     native call for all layers."""
-    llm = LLM(str(tiny_model_dir), speculative=f"draft:model={tiny_model_dir},k=3,min_acceptance=0", **FP32)
+    llm = LLM(str(tiny_model_dir), device="cpu", speculative=f"draft:model={tiny_model_dir},k=3,min_acceptance=0", **FP32)
     backend = llm.engine.proposer.runner.backend
     assert backend.stack is not None
     steps, run_layers = [], backend.run_layers
@@ -241,7 +241,7 @@ def test_a_drafts_steps_past_the_prompt_run_in_the_native_layer_stack(tiny_model
     assert out.metrics.num_accepted_tokens > 0
     assert steps[0] == (len(out.prompt_token_ids) + 1, False)  # the prompt and the target's first token: a prefill
     assert all(native for _, native in steps[1:]) and any(rows > 1 for rows, _ in steps[1:])
-    bf16 = LLM(str(tiny_model_dir), speculative=f"draft:model={tiny_model_dir}", matmul_dtype="bfloat16").engine.proposer.runner
+    bf16 = LLM(str(tiny_model_dir), device="cpu", speculative=f"draft:model={tiny_model_dir}", matmul_dtype="bfloat16").engine.proposer.runner
     assert bf16.backend.stack is not None  # Q8_0 layers whose many-row steps multiply bf16 tiles, as the target's
     assert all(layer.mlp.down_proj.qweight is not None and layer.mlp.down_proj.gemm_dtype == torch.bfloat16
                for layer in bf16.model.layers)
