@@ -4,8 +4,6 @@ queries too: engine/model_runner.py). A step of decodes alone writes its new K/V
 float, fp8, int8 or int4 cache."""
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from kvserve.attention import ForwardContext, QueryGroup
@@ -16,6 +14,7 @@ from kvserve.kv.formats.fp8 import FP8Format
 from kvserve.kv.formats.full import FloatFormat
 from kvserve.kv.formats.int4 import INT4
 from kvserve.kv.formats.int8 import INT8
+from kvserve.layers.linear import ANY_ROWS
 
 
 class NativeCPUBackend(SDPABackend):
@@ -42,7 +41,7 @@ class NativeCPUBackend(SDPABackend):
         if not self.writes or any(getattr(layer, "fused", None) is None for layer in layers) or None in self.stores:
             return
         self.stack, self.stack_rows = torch.classes.kvserve.DecodeStack(), min(layer.fused_rows for layer in layers)
-        self.stack_depth, self.batch_invariant = len(layers), self.stack_rows == sys.maxsize
+        self.stack_depth, self.batch_invariant = len(layers), self.stack_rows == ANY_ROWS
         rope_kinds = list(dict.fromkeys(layer.self_attn.rope for layer in layers))
         for kind in rope_kinds:
             self.stack.add_rope(model.rotary[kind].cos, model.rotary[kind].sin)

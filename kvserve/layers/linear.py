@@ -28,6 +28,7 @@ MAX_KERNEL_ROWS = 16
 # Not where the CPU has AMX (not measured here: its bf16 tiles are several times AVX-512's), whose steps over this
 # many rows keep the GEMM.
 MAX_KERNEL_ROWS_INT8_AMX = 64
+ANY_ROWS = sys.maxsize  # kernel_rows where every step multiplies in place (so a row's numbers never depend on its step)
 # For a few rows against a wide weight, MKL's x @ W^T takes a slow path (4 rows x the 49152-wide head: 42 ms),
 # while W @ x^T, the same numbers, is fast (9 ms); past this many rows x @ W^T catches up.
 MAX_TRANSPOSED_ROWS = 256
@@ -53,7 +54,7 @@ class Linear(nn.Linear):
         """Up to this many rows a quantized weight multiplies in place; more run a GEMM over dequantized tiles."""
         if not self.int8_activations:
             return MAX_KERNEL_ROWS
-        return MAX_KERNEL_ROWS_INT8_AMX if cpu_has_amx() else sys.maxsize
+        return MAX_KERNEL_ROWS_INT8_AMX if cpu_has_amx() else ANY_ROWS
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
