@@ -5,7 +5,7 @@ tokens/s, p50/p99 TTFT and inter-token latency. The offline engine's throughput 
 concurrency is measured in this same run, on prompts alike; the last lines are the server's share of each (issue
 16: one client should stream as fast as the offline engine decodes). One client and the offline engine at batch 1
 take turns, `--rounds` times (both loaded, the idle one waiting): the machine's slow spells fall on both alike, and
-the ratio is of their medians.
+the ratio is the median of the turns' ratios (medians taken apart could pair one's slow turn with the other's fast one).
 
     python bench/serve.py [--concurrency 1,8,32] [--prompt-len 64] [--new-tokens 64] [--rounds 3]
 """
@@ -16,6 +16,7 @@ import asyncio
 import json
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -164,9 +165,12 @@ def main() -> None:
         print(f"  one client / offline batch 1, each of {len(turns)} turns: "
               + " ".join(f"{t[0]['tokens_per_s'] / t[1][0]:.2f}" for t in turns) + " (the lines above: medians)")
     for c, _, r in rows:
-        if c in offline:
-            itl = f", {percentile(r['itl'], .5) / offline[c][1]:.2f} ITL p50" if c == 1 else ""
-            print(f"ratio server @ concurrency {c} / offline batch {c}: {r['tokens_per_s'] / offline[c][0]:.2f} tok/s{itl}")
+        if c == 1 and turns:
+            rate = statistics.median(t[0]["tokens_per_s"] / t[1][0] for t in turns)
+            itl = statistics.median(percentile(t[0]["itl"], .5) / t[1][1] for t in turns)
+            print(f"ratio server @ concurrency 1 / offline batch 1, median of the turns: {rate:.2f} tok/s, {itl:.2f} ITL p50")
+        elif c in offline:
+            print(f"ratio server @ concurrency {c} / offline batch {c}: {r['tokens_per_s'] / offline[c][0]:.2f} tok/s")
 
 
 if __name__ == "__main__":
