@@ -43,7 +43,7 @@ def step_logits(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[list[int]
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens += out.outputs[0].new_token_ids
-            logits.append(engine.runner.last_logits[0].cpu())
+            logits.append(engine.runner.last_logits[0].to("cpu", copy=True))  # its own copy, as the steps go on
     return tokens, torch.stack(logits)
 
 
