@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvserve.errors import KVServeError
@@ -21,6 +22,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to a token's logit before sampling, in [-100, 100]
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # score the prompt: each prompt token's log-probability and the top k
     # kvserve's own: with prompt_logprobs, also every prompt position's whole next-token log-distribution (fp16)
@@ -36,7 +38,7 @@ class SamplingParams:
     def validate(self) -> None:
         checks = [
             (1 <= self.n <= 64, f"n must be in [1, 64], got {self.n}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.temperature >= 0 and math.isfinite(self.temperature), f"temperature must be >= 0 and finite, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or >= 1, got {self.top_k}"),
             (self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
@@ -49,6 +51,12 @@ class SamplingParams:
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative ints"),
+            # completion i seeds its generator with seed + i, which torch takes as a 64-bit integer
+            (self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed <= 2**63 - self.n),
+             f"seed must be an integer in [-2**63, 2**63 - n], got {self.seed!r}"),
+            (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100 <= b <= 100 for t, b in self.logit_bias.items())),
+             f"logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got {self.logit_bias!r}"),
         ]
         for ok, message in checks:
             if not ok:

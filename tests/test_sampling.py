@@ -24,6 +24,19 @@ def test_top_k_1_and_tiny_top_p_are_greedy(smollm2):
         assert smollm2.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
+def test_logit_bias_bans_and_forces_tokens(smollm2):
+    """OpenAI's logit_bias: -100 keeps the greedy answer's tokens out of it, +100 makes one token the answer; a
+    token past the vocabulary is a clear error."""
+    expected = smollm2.generate(PROMPT, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    banned = smollm2.generate(PROMPT, greedy(8, logit_bias={t: -100 for t in expected}), use_tqdm=False)[0].outputs[0].token_ids
+    assert not set(banned) & set(expected)
+    forced = smollm2.generate(PROMPT, SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True, logit_bias={42: 100}),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert forced == [42] * 4
+    with pytest.raises(KVServeError, match="past the vocabulary"):
+        smollm2.generate(PROMPT, greedy(2, logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
 def test_max_tokens_and_length_reason(smollm2):
     out = smollm2.generate(PROMPT, greedy(5), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
@@ -73,7 +86,9 @@ def test_logprobs_are_reported(smollm2):
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0),
-                                 dict(top_k=0), dict(repetition_penalty=0.0), dict(stop=[""])])
+                                 dict(top_k=0), dict(repetition_penalty=0.0), dict(stop=[""]), dict(temperature=float("inf")),
+                                 dict(seed=2**64), dict(seed=1.5), dict(logit_bias={1: 101.0}), dict(logit_bias={-1: 1.0}),
+                                 dict(logit_bias={1: float("nan")})])
 def test_invalid_sampling_values(bad):
     field = next(iter(bad))
     with pytest.raises(KVServeError, match=field):
@@ -123,15 +138,16 @@ def test_sampled_tokens_follow_the_filtered_distribution(temperature, top_k, top
 
 def test_penalties_apply_to_each_rows_history():
     """Repetition penalty over the prompt and the output (logits above 0 divided, below multiplied); frequency and
-    presence penalties over the output only, a row's guesses before it counted as output; rows without penalties and
-    the logits passed in untouched."""
-    from kvserve.layers.sampler import SamplingBatch, _apply_penalties
+    presence penalties over the output only, a row's guesses before it counted as output; logit biases added before
+    the penalties; rows without either and the logits passed in untouched."""
+    from kvserve.layers.sampler import SamplingBatch, _adjust_logits
 
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]]).repeat(3, 1)
     history = [0, 1, 2, 2]  # prompt [0, 1], output [2, 2]
-    params = [SamplingParams(repetition_penalty=2.0), SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), SamplingParams()]
+    params = [SamplingParams(repetition_penalty=2.0, logit_bias={4: 1.0, 1: 3.0}),
+              SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), SamplingParams()]
     batch = SamplingBatch(params, [None] * 3, [history] * 3, [2] * 3, [[], [3], []])
-    out = _apply_penalties(logits, batch)
-    assert torch.equal(out[0], torch.tensor([1.0, -4.0, 0.5, 0.5, 3.0]))
+    out = _adjust_logits(logits, batch)
+    assert torch.equal(out[0], torch.tensor([1.0, 0.5, 0.5, 0.5, 4.0]))  # token 1: (-2 + 3) / 2; token 4 unseen: 3 + 1
     assert torch.equal(out[1], torch.tensor([2.0, -2.0, 1.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 3.0]))  # token 2 twice, 3 once
     assert torch.equal(out[2], logits[2]) and torch.equal(logits, torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]]).repeat(3, 1))

@@ -191,6 +191,13 @@ BAD = [
     ({"model": "test-model", "prompt": "hi", "temperature": "0.5"}, 400, "temperature: Input should be a valid number"),
     ({"model": "test-model", "prompt": "hi", "echo": 1}, 400, "echo: Input should be a valid boolean"),
     ({"model": "test-model", "prompt": "hi", "n": 2.0}, 400, "n: Input should be a valid integer"),
+    ({"model": "test-model", "prompt": [-1], "echo": True}, 400, "prompt token ids must be ints in [0, 49152)"),
+    ({"model": "test-model", "prompt": "hi", "seed": 2**70}, 400, "seed must be an integer"),
+    ({"model": "test-model", "prompt": "hi", "suffix": "!"}, 400, "suffix is not supported"),
+    ({"model": "test-model", "prompt": "hi", "best_of": 3}, 400, "best_of is not supported"),
+    ({"model": "test-model", "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias keys must be token ids"),
+    ({"model": "test-model", "prompt": "hi", "logit_bias": {"5": 200}}, 400, "biases in [-100, 100]"),
+    ({"model": "test-model", "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "past the vocabulary"),
 ]
 
 
@@ -203,10 +210,24 @@ def test_bad_completion_requests(server, body, status, message):
 
 @pytest.mark.parametrize("body,message", [({"model": "test-model", "messages": []}, "messages"),
                                           ({"model": "test-model", "messages": [{"role": "wizard", "content": "x"}]}, "role"),
-                                          ({"model": "test-model", "messages": "hello"}, "messages")])
+                                          ({"model": "test-model", "messages": "hello"}, "messages"),
+                                          ({"model": "test-model", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                                           "top_logprobs needs logprobs: true"),
+                                          ({"model": "test-model", "messages": [{"role": "user", "content": "x"}],
+                                            "response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
+                                          ({"model": "test-model", "messages": [{"role": "user", "content": "x"}],
+                                            "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools and functions are not supported")])
 def test_bad_chat_requests(server, body, message):
     r = httpx.post(f"{server}/v1/chat/completions", json=body)
     assert r.status_code == 400 and message in r.json()["error"]["message"]
+
+
+def test_logit_bias_forces_a_token(server, client):
+    """OpenAI's logit_bias (token ids as strings) on both routes: +100 makes every greedy token that one."""
+    forced = httpx.post(f"{server}/detokenize", json={"tokens": [42] * 3}).json()["prompt"]
+    text = client.completions.create(model="test-model", prompt="Hello", max_tokens=3, temperature=0, logit_bias={"42": 100}).choices[0].text
+    reply = chat(client, "Hello", max_tokens=3, temperature=0, logit_bias={"42": 100}).choices[0].message.content
+    assert text == reply == forced
 
 
 def test_malformed_json(server):

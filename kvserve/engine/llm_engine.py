@@ -169,6 +169,8 @@ class LLMEngine:
             raise KVServeError("the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise KVServeError(f"prompt token ids must be ints in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise KVServeError(f"logit_bias names token {max(params.logit_bias)}, past the vocabulary ({vocab} tokens)")
         if len(token_ids) >= limit + (params.max_tokens == 0):  # a scored prompt may fill the limit
             raise KVServeError(f"the prompt has {len(token_ids)} tokens, but this engine holds at most {limit} tokens "
                                f"per request (max_model_len {self.max_model_len}, KV pool {self.kv_manager.num_blocks} "

@@ -1,4 +1,4 @@
-"""Turn a step's logits into next tokens: penalties, temperature, top-k, top-p, seeded sampling."""
+"""Turn a step's logits into next tokens: logit biases, penalties, temperature, top-k, top-p, seeded sampling."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,7 +50,7 @@ def score_prompt(logits: torch.Tensor, targets: torch.Tensor, params: SamplingPa
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in batch.params) else None
-    logits = _apply_penalties(logits, batch)
+    logits = _adjust_logits(logits, batch)
     tokens = logits.numpy().argmax(-1).tolist()  # NumPy's is vectorized: 4 us a 49k-token row, torch's 43 (2-core Zen 5)
     for i, p in enumerate(batch.params):
         if not p.greedy:
@@ -89,14 +89,17 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
 
 
-def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each row's logit biases, then its penalties (vLLM's order), on a copy where any row has either."""
     rows = [i for i, p in enumerate(batch.params)
-            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0]
+            if p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0]
     if not rows:
         return logits
     logits = logits.clone()
     for i in rows:
         p, row = batch.params[i], logits[i]
+        if p.logit_bias:
+            row[torch.tensor(list(p.logit_bias))] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(batch.token_ids[i]) | set(batch.guesses[i])), dtype=torch.long)  # prompt and output
             if len(seen):

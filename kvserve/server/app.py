@@ -122,6 +122,7 @@ class Server:
                prefix: str, prompt_logprobs: int | None = None) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
         """Validate every prompt before any starts, then start one engine request per prompt, each with n
         completions (they share its prefill); choice index = prompt * n + completion."""
+        req.check_supported()
         limit, jobs = self.engine.max_request_tokens, []
         for ids in prompts:  # no max_tokens: up to the context window (also under a policy that could go past it)
             tokens = max_tokens if max_tokens is not None else max(1, limit - len(ids))
@@ -137,9 +138,13 @@ class Server:
 
     async def complete(self, req: CompletionRequest):
         self.check_model(req.model)
-        prompts, texts = self._completion_prompts(req.prompt)
+        given = [req.prompt] if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) else req.prompt
+        if not given:
+            raise APIError(400, "prompt must not be empty")
+        prompts = [self.engine.tokenize(p) for p in given]
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         request_id, streams = self.submit(req, prompts, max_tokens, req.logprobs, "cmpl", req.prompt_logprobs)
+        texts = self._prompt_texts(given, prompts) if req.echo else [""] * len(prompts)
         prompt_tokens = sum(map(len, prompts))
         if req.stream:
             return self._stream(self._completion_chunks(req, request_id, streams, prompt_tokens, texts))
@@ -170,15 +175,10 @@ class Server:
                    for c in finals[0].outputs]
         return envelope("chat.completion", request_id, self.model_name, choices, usage=usage(len(ids), finals))
 
-    def _completion_prompts(self, prompt) -> tuple[list[list[int]], list[str]]:
-        """Each prompt's token ids and text (what echo repeats)."""
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
-        if not prompt:
-            raise APIError(400, "prompt must not be empty")
-        ids = [self.engine.tokenize(p) for p in prompt]
-        texts = [p if isinstance(p, str) else self.engine.tokenizer.decode(t) if self.engine.tokenizer else "" for p, t in zip(prompt, ids)]
-        return ids, texts
+    def _prompt_texts(self, prompts: list, ids: list[list[int]]) -> list[str]:
+        """Each prompt's text, what echo repeats: token ids decoded after the engine checked them."""
+        decode = self.engine.tokenizer.decode if self.engine.tokenizer else lambda _: ""
+        return [p if isinstance(p, str) else decode(t) for p, t in zip(prompts, ids)]
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}

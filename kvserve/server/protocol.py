@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvserve.errors import KVServeError
 from kvserve.outputs import RequestOutput, TokenLogprob
 from kvserve.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] = Field(default_factory=list)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
     cache_salt: str | None = None
     kv_policy: str | None = None  # kvserve's own, like vLLM's extra fields: this request's KV eviction policy
 
@@ -52,14 +54,33 @@ class SamplingRequest(BaseModel):
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, max_tokens=max_tokens, stop=stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt, kv_policy=self.kv_policy,
+            prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt, kv_policy=self.kv_policy, logit_bias=self.token_biases(),
         )
+
+    def token_biases(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise KVServeError(f"logit_bias keys must be token ids, got {list(self.logit_bias)!r}") from None
+
+    def check_supported(self) -> None:
+        """OpenAI fields this server parses only to refuse: ignored, they would change the answer silently."""
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False  # the prompt before the completion; with logprobs, the prompt's too (max_tokens 0: only those)
+    suffix: str | None = None  # refused (check_supported)
+    best_of: int | None = None  # refused unless it equals n
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise KVServeError("suffix is not supported: this server completes after the prompt only")
+        if self.best_of is not None and self.best_of != self.n:
+            raise KVServeError(f"best_of is not supported (best_of={self.best_of}, n={self.n}): ask for n completions instead")
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -93,6 +114,19 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict | None = None  # refused unless {"type": "text"} (check_supported)
+    tools: list | None = None  # refused, as are functions and a tool_choice that needs tools
+    functions: list | None = None
+    tool_choice: str | dict | None = None
+
+    def check_supported(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise KVServeError("top_logprobs needs logprobs: true")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise KVServeError(f"response_format {kind!r} is not supported (no constrained decoding): only 'text'")
+        if self.tools or self.functions or self.tool_choice not in (None, "none", "auto"):
+            raise KVServeError("tools and functions are not supported: this server does not call tools")
 
 
 class TokenizeRequest(BaseModel):
