@@ -169,6 +169,7 @@ class EngineConfig:
             (self.preemption_mode in ("recompute", "swap"), f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"),
             (self.scheduler in ("continuous", "static"), f"scheduler must be continuous or static, got {self.scheduler!r}"),
             (self.use_kv_cache or self.scheduler == "continuous", "use_kv_cache=False needs the continuous scheduler"),
+            (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64, f"seed must be a 64-bit integer, got {self.seed!r}"),
             (self.matmul_dtype in ("auto", "float32", "bfloat16"), f"matmul_dtype must be auto, float32 or bfloat16, got {self.matmul_dtype!r}"),
             *((name in KV_CACHE_DTYPES, f"{flag} must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
               for flag, name in (("kv_cache_dtype", self.kv_cache_dtype), ("cache_type_k", self.cache_type_k or "auto"),

@@ -54,7 +54,7 @@ def test_bad_token_ids_and_empty_prompt(tiny_model_dir):
 
 @pytest.mark.parametrize("option,message", [(dict(block_size=0), "block_size"), (dict(dtype="int3"), "dtype"),
                                             (dict(kv_cache_memory="lots"), "invalid size"),
-                                            (dict(preemption_mode="drop"), "preemption_mode")])
+                                            (dict(preemption_mode="drop"), "preemption_mode"), (dict(seed=2**64), "seed")])
 def test_bad_engine_settings(tiny_model_dir, option, message):
     with pytest.raises(KVServeError, match=message):
         LLM(str(tiny_model_dir), **option)
@@ -69,6 +69,8 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
     (["generate", "--prompt", "hi", "--kv-cache-dtype", "int3"], "kv_cache_dtype must be one of auto, float32, bfloat16, "
      "float16, fp8_e4m3, fp8_e5m2, int8, int4, kivi2, got 'int3'"),
     (["generate", "--prompt", "hi", "--repetition-penalty", "0"], "repetition_penalty must be > 0, got 0.0"),
+    (["generate", "--prompt", "hi", "--seed", str(2**70)], f"seed must be a 64-bit integer, got {2**70}"),
+    (["generate", "--prompt", "hi", "--sampling-seed", str(2**70)], "seed must be an integer in [-2**63, 2**63 - n]"),
     (["generate", "--prompt", "hi", "--kv-cache-dtype", "kivi2", "--kivi-residual", "100"],
      "kivi_residual must be a multiple of the block size (16), got 100"),
     (["distill", "--mlp", "-1"], "--mlp must be >= 0, got -1"),
