@@ -2,8 +2,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 from kvserve.errors import KVServeError
+
+
+INTEGERS = ("n", "top_k", "max_tokens", "logprobs", "prompt_logprobs")  # the logprobs may be None
+NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(slots=True)
@@ -36,6 +41,11 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        for names, kind, what in ((INTEGERS, Integral, "an integer"), (NUMBERS, Real, "a number")):
+            for name in names:
+                value = getattr(self, name)
+                if (value is not None or not name.endswith("logprobs")) and (isinstance(value, bool) or not isinstance(value, kind)):
+                    raise KVServeError(f"{name} must be {what}, got {value!r}")
         checks = [
             (1 <= self.n <= 64, f"n must be in [1, 64], got {self.n}"),
             (self.temperature >= 0 and math.isfinite(self.temperature), f"temperature must be >= 0 and finite, got {self.temperature}"),

@@ -50,6 +50,12 @@ def test_bad_token_ids_and_empty_prompt(tiny_model_dir):
         llm.generate([5, 999999], greedy(2), use_tqdm=False)
     with pytest.raises(KVServeError, match="empty"):
         llm.generate([[]], greedy(2), use_tqdm=False)
+    with pytest.raises(KVServeError, match="prompts must be a prompt or a list of them, got NoneType"):
+        llm.generate(None, greedy(2), use_tqdm=False)
+    with pytest.raises(KVServeError, match="a prompt is text or a list of token ids, got int"):
+        llm.generate([[5], 6], greedy(2), use_tqdm=False)
+    with pytest.raises(KVServeError, match="params must be SamplingParams or a list of them, got dict"):
+        llm.generate([[5, 6]], {"max_tokens": 2}, use_tqdm=False)
 
 
 @pytest.mark.parametrize("option,message", [(dict(block_size=0), "block_size"), (dict(dtype="int3"), "dtype"),

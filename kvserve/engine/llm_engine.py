@@ -122,6 +122,8 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt; chat-templated text passes add_special_tokens=False (the template has them)."""
         if not isinstance(prompt, str):
+            if not isinstance(prompt, (list, tuple)):
+                raise KVServeError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
             return list(prompt)
         if self.tokenizer is None:
             raise KVServeError(f"{self.config.model} has no tokenizer; pass prompts as lists of token ids")

@@ -31,10 +31,14 @@ class LLM:
                  use_tqdm: bool = True, add_special_tokens: bool = True) -> list[RequestOutput]:
         """Run every prompt through the engine together; results come back in input order, each with
         `params.n` completions in `.outputs`. `params` is one for all prompts or, as in vLLM, one per prompt."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise KVServeError(f"prompts must be a prompt or a list of them, got {type(prompts).__name__}")
         params = params or SamplingParams()
         each = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in each):
+            raise KVServeError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
         if len(each) != len(prompts):
             raise KVServeError(f"{len(each)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
         parsed = [self._prompt(p, add_special_tokens) for p in prompts]
