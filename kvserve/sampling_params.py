@@ -8,7 +8,7 @@ from kvserve.errors import KVServeError
 
 
 INTEGERS = ("n", "top_k", "max_tokens", "logprobs", "prompt_logprobs")  # the logprobs may be None
-NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(slots=True)
@@ -19,6 +19,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0  # vLLM's: drops tokens less likely than min_p times the likeliest one (0: none)
     seed: int | None = None
     max_tokens: int = 16
     stop: list[str] = field(default_factory=list)
@@ -50,6 +51,7 @@ class SamplingParams:
             (1 <= self.n <= 64, f"n must be in [1, 64], got {self.n}"),
             (self.temperature >= 0 and math.isfinite(self.temperature), f"temperature must be >= 0 and finite, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or >= 1, got {self.top_k}"),
             (self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
              f"max_tokens must be >= 1 (or 0 to only score the prompt with prompt_logprobs), got {self.max_tokens}"),

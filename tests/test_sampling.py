@@ -88,7 +88,7 @@ def test_logprobs_are_reported(smollm2):
 @pytest.mark.parametrize("bad", [dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0),
                                  dict(top_k=0), dict(repetition_penalty=0.0), dict(stop=[""]), dict(temperature=float("inf")),
                                  dict(seed=2**64), dict(seed=1.5), dict(logit_bias={1: 101.0}), dict(logit_bias={-1: 1.0}),
-                                 dict(logit_bias={1: float("nan")}), dict(max_tokens=2.5), dict(n=2.0), dict(top_k=True),
+                                 dict(logit_bias={1: float("nan")}), dict(max_tokens=2.5), dict(n=2.0), dict(top_k=True), dict(min_p=1.5),
                                  dict(temperature="0.5"), dict(logprobs=1.0)])
 def test_invalid_sampling_values(bad):
     field = next(iter(bad))
@@ -103,11 +103,13 @@ def test_streaming_yields_each_token(smollm2):
     assert outs[-1].finished and not outs[0].finished
 
 
-def _filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The distribution temperature, top-k and top-p define, written out with a full sort."""
+def _filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The distribution temperature, min-p, top-k and top-p define, written out with a full sort."""
     probs = (logits / temperature).softmax(-1)
     ordered, order = probs.sort(descending=True)
-    keep = torch.arange(len(probs)) < (top_k if top_k > 0 else len(probs))
+    ordered = torch.where(ordered >= min_p * ordered[0], ordered, 0.0)
+    ordered = ordered / ordered.sum()
+    keep = (torch.arange(len(probs)) < (top_k if top_k > 0 else len(probs))) & (ordered > 0)
     keep &= (ordered.cumsum(0) - ordered) < top_p
     keep[0] = True
     out = torch.zeros_like(probs)
@@ -115,18 +117,21 @@ def _filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
     return out / out.sum()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.6), (1.0, 50, 0.8), (1.0, -1, 0.97)])
-def test_sampled_tokens_follow_the_filtered_distribution(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.8, -1, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, -1, 0.6, 0.0), (1.0, 50, 0.8, 0.0),
+                                                         (1.0, -1, 0.97, 0.0), (1.0, -1, 1.0, 0.05), (1.5, 6, 0.9, 0.2)])
+def test_sampled_tokens_follow_the_filtered_distribution(temperature, top_k, top_p, min_p):
     """Draws against the rule written out with a full sort: never a token the filters drop, the likeliest tokens'
     shares and the rest's within 4 sigma. The logits have a long flat tail, so top_p 0.97 needs more candidates than
     the sampler first looks at (its fallback)."""
     from kvserve.layers.sampler import TOP_P_CANDIDATES, SamplingBatch, sample
 
     logits = torch.cat([torch.tensor([6.0, 5.5, 5.0, 4.0, 3.0, 2.5, 2.0, 1.0]), torch.randn(3000, generator=torch.Generator().manual_seed(0)) * 0.1])
-    expected = _filtered(logits, temperature, top_k, top_p)
+    expected = _filtered(logits, temperature, top_k, top_p, min_p)
     if (temperature, top_p) == (1.0, 0.97):
         assert int((expected > 0).sum()) > max(TOP_P_CANDIDATES)
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
+    if min_p:  # min_p drops tokens here that the other filters keep
+        assert int((expected > 0).sum()) < int((_filtered(logits, temperature, top_k, top_p, 0.0) > 0).sum())
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=0)
     generator = torch.Generator().manual_seed(1)
     n = 20000
     tokens = torch.tensor([sample(logits[None], SamplingBatch([params], [generator], [[]], [0], [[]])).token_ids[0] for _ in range(n)])

@@ -73,6 +73,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--min-p", type=float, default=0.0, help="in [0, 1], as vLLM's (0: none)")
     parser.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (reproducible output)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
@@ -82,7 +83,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
                           max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           repetition_penalty=args.repetition_penalty)

@@ -1,6 +1,7 @@
-"""Turn a step's logits into next tokens: logit biases, penalties, temperature, top-k, top-p, seeded sampling."""
+"""Turn a step's logits into next tokens: logit biases, penalties, temperature, min-p, top-k, top-p, seeded sampling."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -64,9 +65,12 @@ TOP_P_CANDIDATES = (64, 1024)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token drawn from softmax(logits / temperature), restricted to the top_k likeliest tokens and to the
-    smallest set of them whose probability reaches top_p (the likeliest one always kept)."""
+    """One token drawn from softmax(logits / temperature) without the tokens less likely than min_p times the
+    likeliest, restricted to the top_k likeliest tokens and to the smallest set of them whose probability reaches
+    top_p (the likeliest one always kept)."""
     scaled = logits / p.temperature
+    if p.min_p > 0:  # p(x) < min_p * p(best): a logit below the best one's plus log(min_p)
+        scaled = scaled.masked_fill(scaled < scaled.max() + math.log(p.min_p), -math.inf)
     vocab = scaled.shape[0]
     top_k = min(p.top_k, vocab) if p.top_k > 0 else vocab
     if top_k == vocab and p.top_p >= 1:
