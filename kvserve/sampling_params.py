@@ -7,7 +7,7 @@ from numbers import Integral, Real
 from kvserve.errors import KVServeError
 
 
-INTEGERS = ("n", "top_k", "max_tokens", "logprobs", "prompt_logprobs")  # the logprobs may be None
+INTEGERS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")  # the logprobs may be None
 NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -22,6 +22,7 @@ class SamplingParams:
     min_p: float = 0.0  # vLLM's: drops tokens less likely than min_p times the likeliest one (0: none)
     seed: int | None = None
     max_tokens: int = 16
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the output before this many tokens
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -55,6 +56,7 @@ class SamplingParams:
             (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or >= 1, got {self.top_k}"),
             (self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
              f"max_tokens must be >= 1 (or 0 to only score the prompt with prompt_logprobs), got {self.max_tokens}"),
+            (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),

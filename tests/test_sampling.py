@@ -64,6 +64,26 @@ def test_eos_stops_unless_ignored(smollm2):
     assert ignored.outputs[0].finish_reason == "length" and len(ignored.outputs[0].token_ids) == len(stopped.outputs[0].token_ids) + 3
 
 
+def test_min_tokens_holds_off_eos_stop_tokens_and_strings(smollm2):
+    """vLLM's min_tokens: the greedy answer that ended with EOS goes on past it, neither EOS, a stop token nor a
+    stop string ends it early; the stops work again from min_tokens on."""
+    messages = [{"role": "user", "content": "Say hi."}]
+    stopped = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
+    length, eos = len(stopped.token_ids), smollm2.engine.eos_token_ids
+    longer = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=64, min_tokens=length + 4))[0].outputs[0]
+    assert longer.token_ids[:length - 1] == stopped.token_ids[:-1] and len(longer.token_ids) >= length + 4
+    assert not set(longer.token_ids[:length + 4]) & eos
+    # a stop string (not a banned token: the tokens stay the same) is not looked for before min_tokens
+    kept = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=length + 4, min_tokens=length + 4, stop=[longer.text[:3]]))[0]
+    assert kept.outputs[0].token_ids == longer.token_ids[:length + 4] and kept.outputs[0].finish_reason == "length"
+    assert len(smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=64, stop=[longer.text[:3]]))[0].outputs[0].token_ids) < 3
+    # a stop token is banned before min_tokens, and stops the output after it
+    j = next(i for i in range(length + 4, len(longer.token_ids)) if longer.token_ids[i] not in longer.token_ids[:i])
+    held = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=64, min_tokens=length + 4,
+                                                 stop_token_ids=[longer.token_ids[j]]))[0].outputs[0]
+    assert held.token_ids == longer.token_ids[:j + 1] and held.finish_reason == "stop"
+
+
 def test_logprobs_equal_transformers(smollm2, hf_smollm2):
     """The chosen token's and the top 3's log-probabilities at each step, against transformers' log-softmax (fp32)."""
     out = smollm2.generate(PROMPT, SamplingParams(temperature=0.7, seed=1, max_tokens=6, logprobs=3), use_tqdm=False)[0]
@@ -88,7 +108,7 @@ def test_logprobs_are_reported(smollm2):
 @pytest.mark.parametrize("bad", [dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0),
                                  dict(top_k=0), dict(repetition_penalty=0.0), dict(stop=[""]), dict(temperature=float("inf")),
                                  dict(seed=2**64), dict(seed=1.5), dict(logit_bias={1: 101.0}), dict(logit_bias={-1: 1.0}),
-                                 dict(logit_bias={1: float("nan")}), dict(max_tokens=2.5), dict(n=2.0), dict(top_k=True), dict(min_p=1.5),
+                                 dict(logit_bias={1: float("nan")}), dict(max_tokens=2.5), dict(n=2.0), dict(top_k=True), dict(min_p=1.5), dict(min_tokens=20),
                                  dict(temperature="0.5"), dict(logprobs=1.0)])
 def test_invalid_sampling_values(bad):
     field = next(iter(bad))
@@ -154,6 +174,9 @@ def test_penalties_apply_to_each_rows_history():
               SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), SamplingParams()]
     batch = SamplingBatch(params, [None] * 3, [history] * 3, [2] * 3, [[], [3], []])
     out = _adjust_logits(logits, batch)
+    # min_tokens bans a row's early stops while its output (guesses before the row included) is shorter
+    banned = SamplingBatch([SamplingParams(min_tokens=3, max_tokens=4)] * 2, [None] * 2, [history] * 2, [2] * 2, [[], [4]], [[1, 4]] * 2)
+    assert torch.equal(_adjust_logits(logits[:2], banned), torch.tensor([[2.0, -torch.inf, 1.0, 0.5, -torch.inf], [2.0, -2.0, 1.0, 0.5, 3.0]]))
     assert torch.equal(out[0], torch.tensor([1.0, 0.5, 0.5, 0.5, 4.0]))  # token 1: (-2 + 3) / 2; token 4 unseen: 3 + 1
     assert torch.equal(out[1], torch.tensor([2.0, -2.0, 1.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 3.0]))  # token 2 twice, 3 once
     assert torch.equal(out[2], logits[2]) and torch.equal(logits, torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]]).repeat(3, 1))

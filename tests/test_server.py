@@ -195,6 +195,7 @@ BAD = [
     ({"model": "test-model", "prompt": "hi", "seed": 2**70}, 400, "seed must be an integer"),
     ({"model": "test-model", "prompt": "hi", "suffix": "!"}, 400, "suffix is not supported"),
     ({"model": "test-model", "prompt": "hi", "min_p": 2}, 400, "min_p must be in [0, 1], got 2"),
+    ({"model": "test-model", "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens must be in [0, max_tokens], got 5"),
     ({"model": "test-model", "prompt": "hi", "best_of": 3}, 400, "best_of is not supported"),
     ({"model": "test-model", "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias keys must be token ids"),
     ({"model": "test-model", "prompt": "hi", "logit_bias": {"5": 200}}, 400, "biases in [-100, 100]"),

@@ -155,7 +155,9 @@ class LLMEngine:
         first.children = [Sequence(request_id, text, token_ids, params, groups, i, first.metrics, token_limit=first.token_limit)
                           for i in range(1, params.n)]
         self.requests[request_id] = [first, *first.children]
+        early_stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)) if params.min_tokens else []
         for seq in self.requests[request_id]:
+            seq.early_stops = early_stops
             self.output.add(seq)
         self.scheduler.add(first)
         return request_id

@@ -105,7 +105,7 @@ class ModelRunner:
             rows += [(child, first, []) for child in seq.children]
             first += len(guesses) + 1
         sampling = SamplingBatch([s.params for s, _, _ in rows], [s.generator for s, _, _ in rows], [s.token_ids for s, _, _ in rows],
-                                 [s.num_prompt_tokens for s, _, _ in rows], [g for _, _, g in rows])
+                                 [s.num_prompt_tokens for s, _, _ in rows], [g for _, _, g in rows], [s.early_stops for s, _, _ in rows])
         index = [i for _, i, _ in rows]
         logits = logits.cpu()
         sampled = sample(logits if index == list(range(len(logits))) else logits[index], sampling)  # in order: no copy

@@ -89,18 +89,19 @@ class OutputProcessor:
 
     def _check_stop(self, seq: Sequence, token: int, text: str) -> tuple[str, str | None]:
         """The output text (cut before a stop string) and the finish reason, if the sequence is done."""
-        params = seq.params
-        if token in params.stop_token_ids:
-            seq.stop_reason = token
-            return text, "stop"
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return text, "stop"
-        for stop in params.stop:
-            at = text.find(stop, max(0, len(seq.text) - len(stop) + 1))
-            if at != -1:
-                seq.stop_reason = stop
-                return text[:at], "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= seq.token_limit:
+        params, produced = seq.params, seq.num_tokens - seq.num_prompt_tokens
+        if produced >= params.min_tokens:  # before min_tokens, only the length ends it
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return text, "stop"
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return text, "stop"
+            for stop in params.stop:
+                at = text.find(stop, max(0, len(seq.text) - len(stop) + 1))
+                if at != -1:
+                    seq.stop_reason = stop
+                    return text[:at], "stop"
+        if produced >= params.max_tokens or seq.num_tokens >= seq.token_limit:
             return text, "length"
         return text, None
 

@@ -70,6 +70,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop string ends the output before this many tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
@@ -84,7 +85,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
-                          max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                          max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           repetition_penalty=args.repetition_penalty)
 

@@ -19,6 +19,7 @@ class SamplingBatch:
     token_ids: list[list[int]]
     num_prompt: list[int]
     guesses: list[list[int]]
+    early_stops: list[list[int]] | None = None  # per row, the tokens it may not sample before its min_tokens
 
     def output_ids(self, i: int) -> list[int]:
         return self.token_ids[i][self.num_prompt[i]:] + self.guesses[i]
@@ -94,14 +95,17 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def _adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Each row's logit biases, then its penalties (vLLM's order), on a copy where any row has either."""
+    """Each row's logit biases, then its penalties (vLLM's order), and its stop tokens banned while its output is
+    shorter than min_tokens, on a copy where any row has any of them."""
     rows = [i for i, p in enumerate(batch.params)
-            if p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0]
+            if p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens]
     if not rows:
         return logits
     logits = logits.clone()
     for i in rows:
         p, row = batch.params[i], logits[i]
+        if p.min_tokens and batch.early_stops and len(batch.token_ids[i]) - batch.num_prompt[i] + len(batch.guesses[i]) < p.min_tokens:
+            row[batch.early_stops[i]] = -torch.inf
         if p.logit_bias:
             row[torch.tensor(list(p.logit_bias))] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
         if p.repetition_penalty != 1.0:

@@ -41,6 +41,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     top_k: int = -1
     min_p: float = 0.0
+    min_tokens: int = 0
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -52,7 +53,7 @@ class SamplingRequest(BaseModel):
         """Completion i of n samples with seed + i, so n > 1 with a seed gives n different but reproducible answers."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, stop=stop,
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, min_tokens=self.min_tokens, seed=self.seed, max_tokens=max_tokens, stop=stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt, kv_policy=self.kv_policy, logit_bias=self.token_biases(),
