@@ -93,11 +93,19 @@ def test_n_choices_fork_one_prefill(server):
     assert [c["text"] for c in sorted(forked["choices"], key=lambda c: c["index"])] == singles
 
 
-def test_stop_strings(client):
+def test_stop_strings(server, client):
     full = client.completions.create(model="test-model", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
     stop = full.choices[0].text.strip().split(",")[1].strip()
     cut = client.completions.create(model="test-model", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    assert cut.choices[0].stop_reason == stop and full.choices[0].stop_reason is None  # vLLM's: which stop ended it
+    streamed = client.completions.create(model="test-model", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop], stream=True)
+    assert [c.choices[0].stop_reason for c in streamed][-1] == stop
+    ended = chat(client, "Say hi.", temperature=0, max_tokens=64, stream=True)
+    assert [c.choices[0].stop_reason for c in ended if c.choices and c.choices[0].finish_reason] == [None]  # EOS or length
+    ids = httpx.post(f"{server}/tokenize", json={"prompt": full.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    by_token = client.completions.create(model="test-model", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, extra_body={"stop_token_ids": ids})
+    assert by_token.choices[0].finish_reason == "stop" and by_token.choices[0].stop_reason in ids  # the token id
 
 
 def test_logprobs(client):

@@ -150,7 +150,7 @@ class Server:
             return self._stream(self._completion_chunks(req, request_id, streams, prompt_tokens, texts))
         finals = await self._collect(streams)
         choices = [{"index": i * req.n + c.index, **self._completion_body(req, out, texts[i], c.text, c.token_ids, c.logprobs, 0, req.echo),
-                    "finish_reason": c.finish_reason} for i, out in enumerate(finals) for c in out.outputs]
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, out in enumerate(finals) for c in out.outputs]
         return envelope("text_completion", request_id, self.model_name, choices, usage=usage(prompt_tokens, finals))
 
     def _completion_body(self, req: CompletionRequest, out: RequestOutput, prompt_text: str, text: str, token_ids: list[int],
@@ -171,7 +171,7 @@ class Server:
             return self._stream(self._chat_chunks(req, request_id, streams, len(ids)))
         finals = await self._collect(streams)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-                    "logprobs": chat_logprobs(c.logprobs, self.decode, self.raw) if c.logprobs is not None else None}
+                    "stop_reason": c.stop_reason, "logprobs": chat_logprobs(c.logprobs, self.decode, self.raw) if c.logprobs is not None else None}
                    for c in finals[0].outputs]
         return envelope("chat.completion", request_id, self.model_name, choices, usage=usage(len(ids), finals))
 
@@ -203,7 +203,7 @@ class Server:
             logprobs = c.logprobs[len(c.logprobs) - len(new):] if c.logprobs is not None else None
             offset = len(prompt_text) * req.echo + len(c.text) - len(c.new_text)
             body = self._completion_body(req, out, prompt_text, c.new_text, new, logprobs, offset, req.echo and first)
-            choice = {"index": index, **body, "finish_reason": c.finish_reason}
+            choice = {"index": index, **body, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             yield sse(envelope("text_completion", request_id, self.model_name, [choice], created, **extra))
             finals += [out] if out.finished else []
         if extra:
@@ -213,8 +213,8 @@ class Server:
     async def _chat_chunks(self, req, request_id, streams, prompt_tokens) -> AsyncIterator[str]:
         created, finals, extra = int(time.time()), [], _usage_field(req)
 
-        def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None, stop: int | str | None = None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
             return sse(envelope("chat.completion.chunk", request_id, self.model_name, [choice], created, **extra))
 
         for index in range(req.n):
@@ -229,7 +229,7 @@ class Server:
             if c.new_text or logprobs:
                 yield chunk(index, {"content": c.new_text}, logprobs=logprobs)
             if c.finished:
-                yield chunk(index, {}, c.finish_reason)
+                yield chunk(index, {}, c.finish_reason, stop=c.stop_reason)
             finals += [out] if out.finished else []
         if extra:
             yield sse(envelope("chat.completion.chunk", request_id, self.model_name, [], created,
