@@ -36,6 +36,9 @@ def chat(client, content: str, **kw):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["test-model"]
+    assert client.models.retrieve("test-model").id == "test-model"
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist"):
+        client.models.retrieve("gpt-4")
     assert httpx.get(f"{server}/health").status_code == 200
 
 

@@ -289,11 +289,18 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None, m
     async def chat_completions(req: ChatCompletionRequest):
         return await server.chat(req)
 
+    def card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
+                "max_model_len": engine.max_request_tokens}
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
-                "max_model_len": engine.max_request_tokens}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve; ids may hold slashes
+    async def model(model: str):
+        server.check_model(model)
+        return card()
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
