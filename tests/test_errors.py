@@ -125,6 +125,16 @@ def test_cli_chat_reuses_the_conversation_cache(capsys):
     assert "0 from cache" in stats[0] and "0 from cache" not in stats[1]
 
 
+def test_cli_chat_clear_starts_a_new_conversation(capsys):
+    """After /clear the prompt is the first turn's again (so all of it comes from the cache), not the conversation so far."""
+    argv = ["chat", "--message", "Name a fruit.", "--message", "/clear", "--message", "Name a fruit.", "--max-tokens", "8"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    first, again = (STATS.search(line) for line in err.splitlines() if "prefilled" in line)
+    assert "(a new conversation)" in err and first.group(1) == again.group(1)
+    assert int(again.group(3)) >= int(first.group(1)) // 16 * 16  # every full block of it was cached
+
+
 def test_gguf_tensor_type_the_gguf_package_cannot_read(tmp_path, monkeypatch, capsys):
     """A GGUF whose weights are in a type gguf cannot dequantize ends in one line naming the tensor and type."""
     import gguf

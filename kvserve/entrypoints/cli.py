@@ -141,11 +141,16 @@ def cmd_chat(args: argparse.Namespace) -> None:
     """Multi-turn chat; earlier turns stay in the prefix cache, so each turn prefills only what is new."""
     params = sampling_params(args)
     llm = load_llm(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
     turns = iter(args.message) if args.message else _read_turns()
     for text in turns:
         if args.message:
             print(f">>> {text}")
+        if text in ("/clear", "/reset"):  # a new conversation; the old one's blocks stay in the prefix cache
+            messages = list(start)
+            print("(a new conversation)", file=sys.stderr)
+            continue
         messages.append({"role": "user", "content": text})
         out = stream_answer(llm, llm.apply_chat_template(messages), params, add_special_tokens=False)
         messages.append({"role": "assistant", "content": out.outputs[0].text})
@@ -153,7 +158,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def _read_turns():
-    print("kvserve chat: type a message, Ctrl-D or /exit to quit.", file=sys.stderr)
+    print("kvserve chat: type a message; /clear starts a new conversation, Ctrl-D or /exit quits.", file=sys.stderr)
     while True:
         try:
             text = input(">>> ").strip()
