@@ -1,14 +1,18 @@
 """Prefix caching: a ~2,000-token shared system prompt, then short questions, one at a time.
 
 Cold: prefix caching off, so every question prefills the whole prompt. Warm: prefix caching on, after one
-request has filled the cache. Prints mean TTFT of each and their ratio, measured in this one run.
+request has filled the cache. KV tiers: the prompt's blocks come back from a tier instead, after the pool evicted
+them (a CPU tier; a pool of --small-pool holds one prompt, and another prompt evicts it) and after a restart (a
+disk tier: a new engine on the directory the first one wrote; the files may still be in the OS's page cache).
+Prints mean TTFT of each and their ratios, measured in this one run.
 
-    python bench/prefix.py [--system-tokens 2000] [--questions 20] [--cold-questions 20]
+    python bench/prefix.py [--system-tokens 2000] [--questions 20] [--cold-questions 20] [--tier-questions 5]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 
 from kvserve import LLM, SamplingParams
 
@@ -40,6 +44,8 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--questions", type=int, default=20)
     parser.add_argument("--cold-questions", type=int, default=20)
+    parser.add_argument("--tier-questions", type=int, default=5, help="questions after each eviction or restart (0: no tiers)")
+    parser.add_argument("--small-pool", default="64MiB", help="the CPU-tier engine's KV pool")
     args = parser.parse_args()
     questions = QUESTIONS[: args.questions]
 
@@ -62,6 +68,37 @@ def main() -> None:
           f"{statistics.mean(cached):.0f} cached tokens per request")
     print(f"  prefix cache hit rate: {stats.prefix_hits / max(stats.prefix_queries, 1):.1%} of queried tokens")
     print(f"ratio warm / cold TTFT: {statistics.mean(warm) / statistics.mean(cold):.3f}x")
+    if args.tier_questions:
+        del warm_llm
+        tiers(args, system, questions[: args.tier_questions], statistics.mean(cold))
+
+
+def tiers(args: argparse.Namespace, system: str, questions: list[str], cold: float) -> None:
+    """The first question after the pool lost the prompt: from a CPU tier (evicted) and a disk tier (restart)."""
+    other = system.replace("ships", "trains").replace("harbours", "stations")  # as long, sharing no block
+    cpu_llm = LLM(args.model, kv_cache_memory=args.small_pool, kv_tiers=["cpu:1GiB"])
+    evicted = []
+    for q in questions:
+        ttfts(cpu_llm, system, [q])
+        ttfts(cpu_llm, other, ["Evict the first prompt."])
+        times, cached = ttfts(cpu_llm, system, [q + " Again?"])
+        evicted.append((times[0], cached[0]))
+    loaded = cpu_llm.engine.scheduler.stats.tier_loaded_blocks
+    del cpu_llm
+    with tempfile.TemporaryDirectory() as directory:
+        ttfts(LLM(args.model, kv_tiers=[f"disk:{directory}"]), system, ["Fill the disk tier."])
+        restarted = []
+        for q in questions:
+            disk_llm = LLM(args.model, kv_tiers=[f"disk:{directory}"])
+            times, cached = ttfts(disk_llm, system, [q])
+            restarted.append((times[0], cached[0]))
+            del disk_llm
+    for name, runs in (("evicted, from a CPU tier", evicted), ("restarted, from a disk tier", restarted)):
+        mean = statistics.mean(t for t, _ in runs)
+        print(f"  {name:28s}  mean {mean * 1000:8.1f} ms, {statistics.mean(c for _, c in runs):.0f} cached tokens per request")
+    print(f"  blocks the CPU tier loaded back: {loaded}")
+    print(f"ratio CPU tier / cold TTFT: {statistics.mean(t for t, _ in evicted) / cold:.3f}x; "
+          f"disk tier after a restart / cold TTFT: {statistics.mean(t for t, _ in restarted) / cold:.3f}x")
 
 
 if __name__ == "__main__":

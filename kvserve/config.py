@@ -136,6 +136,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    kv_tiers: list[str] = field(default_factory=list)  # KV tiers past the pool, fastest first: "cpu:4GiB", "disk:DIR[:SIZE]"
     preemption_mode: str = "recompute"
     scheduler: str = "continuous"
     use_kv_cache: bool = True

@@ -58,3 +58,18 @@ def test_a_request_picks_a_kv_policy(server):
     assert "kv_policy" not in plain and plain["kv_bytes"] > usage["kv_bytes"]
     bad = httpx.post(f"{server}/v1/completions", json={**body, "kv_policy": "h2o:budget=0"}, timeout=60)
     assert bad.status_code == 400 and "budget must be > 0" in bad.json()["error"]["message"]
+
+
+def test_a_restarted_server_answers_a_repeated_prompt_from_its_disk_tier(tiny_model_dir, tmp_path):
+    body = {"model": "test-model", "prompt": list(range(3, 60)), "max_tokens": 4, "temperature": 0, "logprobs": 0}
+    options = dict(num_blocks=64, block_size=4, kv_tiers=[f"disk:{tmp_path}"])
+    with running_server(str(tiny_model_dir), **options) as (url, _):
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    with running_server(str(tiny_model_dir), **options) as (url, _):
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        metrics = httpx.get(f"{url}/metrics").text
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 56
+    assert again["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
+    loaded = [line for line in metrics.splitlines() if line.startswith("kvserve:kv_tier_loaded_blocks_total")]
+    assert float(loaded[0].split()[-1]) == 14

@@ -16,6 +16,7 @@ from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
 from kvserve.kv.manager import KVManager
+from kvserve.kv.tiers import Tiers
 from kvserve.kv.policies import UNBOUNDED, KVPolicy, SeqKV, add_votes, parse_policy
 from kvserve.kv.spec import KVLayout, build_layout
 from kvserve.memory import spec_from_hf_config
@@ -57,8 +58,9 @@ class LLMEngine:
                                "tokens decoded one at a time, whose earlier layers already see merged K/V")
         num_blocks, num_residual = pool_sizes(self.layout, config)
         self.runner = ModelRunner(self.checkpoint, config, self.max_model_len, self.layout, num_blocks, num_residual)
-        self.kv_manager = KVManager(self.layout, num_blocks, num_residual, config.enable_prefix_caching,
-                                    salt=f"{config.model}|{config.dtype}", chunk_tokens=config.max_num_batched_tokens)
+        self.tiers = self._tiers(config)
+        self.kv_manager = KVManager(self.layout, num_blocks, num_residual, config.enable_prefix_caching, salt=self._salt(config),
+                                    chunk_tokens=config.max_num_batched_tokens, tiers=self.tiers)
         self.scheduler = Scheduler(config, self.kv_manager)
         eos = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -226,6 +228,7 @@ class LLMEngine:
             for seq in batch.seqs:
                 self.kv_manager.slide(seq)
         self.runner.pack(self.kv_manager.pack_aged(batch.seqs))  # kivi2: before finished requests free their blocks
+        self._save_to_tiers()
         touched = list(dict.fromkeys(seq.request_id for seq in step.seqs))
         for request_id in touched:  # measured while every completion still holds its blocks
             self.requests[request_id][0].metrics.kv_bytes = self.kv_manager.kv_bytes(self.requests[request_id])
@@ -237,6 +240,28 @@ class LLMEngine:
         if not self.config.use_kv_cache:
             self._drop_kv(batch)
         return outputs
+
+    def _tiers(self, config: EngineConfig) -> Tiers | None:
+        if not config.kv_tiers:
+            return None
+        if not config.enable_prefix_caching:
+            raise KVServeError("KV tiers hold prefix-cache blocks: they need prefix caching (and the KV cache) on")
+        return Tiers(config.kv_tiers, self.runner.kv_cache.block_nbytes)
+
+    def _salt(self, config: EngineConfig) -> str:
+        """What a block's hash chain starts from: what the cached values depend on besides the tokens (a disk tier
+        outlives the process, so the model file's size and time are in it too)."""
+        path = self.checkpoint.path
+        stat = path.stat()
+        return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{config.dtype}|{config.matmul_dtype}|{bool(self.runner.native)}"
+
+    def _save_to_tiers(self) -> None:
+        """Copy the blocks the prefix cache listed this step to the KV tiers (they are full, so they never change)."""
+        saves, self.kv_manager.saves = self.kv_manager.saves, []
+        if saves:
+            self.scheduler.stats.tier_saved_blocks += len(saves)
+            for (_, key, tokens), values in zip(saves, self.runner.kv_cache.read_blocks([b for b, _, _ in saves])):
+                self.tiers.save(key, tokens, values)
 
     def _evict(self, seqs: list[Sequence], votes: dict[Sequence, torch.Tensor]) -> None:
         """Each policy's evictions after the step: kept tokens move to the front of the cache, emptied blocks go back."""
@@ -335,11 +360,14 @@ class LLMEngine:
                 seq.forget_kv()
 
     def kv_usage(self) -> dict:
-        """Blocks and bytes of the KV pool, now; a draft model's own pool under "draft" (not in the totals)."""
+        """Blocks and bytes of the KV pool, now; a draft model's own pool under "draft" and the KV tiers under "tiers"
+        (neither in the totals)."""
         usage = self.kv_manager.usage()
         draft = getattr(self.proposer, "kv", None)
         if draft is not None:
             usage["draft"] = draft.usage()
+        if self.tiers is not None:
+            usage["tiers"] = self.tiers.usage()
         return usage
 
 

@@ -136,6 +136,8 @@ class ModelRunner:
     def move_blocks(self, batch: ScheduledBatch) -> None:
         for seq, block_ids in batch.swap_out:
             seq.swapped_kv = self.kv_cache.copy_out(block_ids)
+        if batch.tier_loads:  # after the swaps out: a block they freed may hold a tier's values now
+            self.kv_cache.write_blocks(batch.tier_loads)
         for seq, block_ids in batch.swap_in:
             self.kv_cache.copy_in(block_ids, seq.swapped_kv)
             seq.swapped_kv = None

@@ -26,6 +26,7 @@ class ScheduledBatch:
     rectangular: bool = False  # static batching: attention over padded rectangles, the baseline's way
     # Block moves the model runner does before the forward pass, in this order:
     swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # copy these blocks to CPU memory
+    tier_loads: list[tuple[int, bytes]] = field(default_factory=list)  # write values from a KV tier into these blocks
     swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # copy the saved values into these blocks
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
@@ -52,6 +53,8 @@ class SchedulerStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens served from it
     num_evicted_tokens: int = 0  # KV policies: tokens whose K/V was evicted
+    tier_loaded_blocks: int = 0  # KV tiers: blocks of cached prefixes loaded into the pool instead of computed...
+    tier_saved_blocks: int = 0  # ...and blocks saved to them
 
 
 class Scheduler:
@@ -179,6 +182,9 @@ class Scheduler:
             kv.free(seq)
             seq.forget_kv()
             return False
+        batch.tier_loads += seq.tier_loads
+        self.stats.tier_loaded_blocks += len(seq.tier_loads)
+        seq.tier_loads = []
         if kv.enable_prefix_caching:
             self.stats.prefix_queries += seq.num_tokens
             self.stats.prefix_hits += cached

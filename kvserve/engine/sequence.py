@@ -47,6 +47,7 @@ class Sequence:
         self.draft_token_ids: list[int] = []  # speculative decoding: this step's guesses after the last token...
         self.draft_parents: list[int] = []  # ...each one's parent guess as proposed (-1: the last token); see guess_parents
         self.spec_state = None  # the proposer's own, per sequence
+        self.tier_loads: list[tuple[int, bytes]] = []  # prefix blocks found in a KV tier: (block, values) to write before its first step
         self.early_stops: list[int] = []  # the stop tokens (EOS and stop_token_ids) it may not sample before min_tokens
         self.swapped_kinds: list[list[bool | None]] | None = None  # swapped out: per group and block, from the residual pool? (None: NULL)
         self.swapped_kv: dict | None = None  # the swapped-out values, held by the model runner

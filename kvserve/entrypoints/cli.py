@@ -42,6 +42,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-type-v", default=None, metavar="DTYPE", help="V apart from K (overrides --kv-cache-dtype)")
     parser.add_argument("--kivi-residual", type=int, default=d.kivi_residual,
                         help="kivi2: newest tokens per request kept in full precision (a multiple of --block-size)")
+    parser.add_argument("--kv-tier", action="append", default=[], metavar="TIER", dest="kv_tiers",
+                        help="a store past the KV pool for prefix-cache blocks, fastest first (repeatable): cpu:SIZE, "
+                             "disk:DIR[:SIZE] (kept across restarts; 10GiB when no size is given)")
     parser.add_argument("--kv-policy", default=None, metavar="POLICY",
                         help="which cached tokens requests keep, NAME:key=value,...: streaming:sinks=4,window=1024 (runs past the "
                              "context window), h2o:budget=0.2 (heavy hitters + recent), snapkv:budget=512 (the prompt's "
@@ -65,6 +68,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         native_kernels=not args.no_native_kernels, matmul_dtype=args.matmul_dtype, kv_cache_dtype=args.kv_cache_dtype,
         cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, kivi_residual=args.kivi_residual,
         kv_policy=args.kv_policy, speculative=args.speculative, batch_invariant=args.batch_invariant, seed=args.seed,
+        kv_tiers=args.kv_tiers,
     )
 
 
@@ -126,7 +130,7 @@ def load_llm(args: argparse.Namespace):
     llm = LLM.from_config(engine_config(args))
     engine = llm.engine
     print(f"kvserve: {args.model} loaded in {time.perf_counter() - started:.1f} s: {engine.runner.model.describe_weights()}; "
-          f"KV pool {engine.kv_usage()['total_bytes'] / 2**20:.0f} MiB ({engine.layout.describe()})", file=sys.stderr)
+          f"KV pool {engine.kv_usage()['total_bytes'] / 2**20:.0f} MiB ({engine.layout.describe()}){tiers_note(engine)}", file=sys.stderr)
     return llm
 
 
@@ -170,6 +174,10 @@ def _read_turns():
             yield text
 
 
+def tiers_note(engine) -> str:
+    return f"; {engine.tiers.describe()}" if engine.tiers is not None else ""
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -183,7 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     usage = engine.kv_usage()
     draft = f"; the draft's own pool {usage['draft']['total_bytes'] / 2**20:.0f} MiB" if "draft" in usage else ""
     print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} ({engine.runner.model.describe_weights()}; KV pool "
-          f"{usage['total_bytes'] / 2**20:.0f} MiB, {engine.kv_manager.num_blocks} blocks; {engine.layout.describe()}{draft})", file=sys.stderr)
+          f"{usage['total_bytes'] / 2**20:.0f} MiB, {engine.kv_manager.num_blocks} blocks; {engine.layout.describe()}{draft}){tiers_note(engine)}", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     engine_loop = app.state.server.async_engine
 

@@ -78,8 +78,11 @@ class BlockPool:
         block_id = self.cached.get(block_hash)
         return block_id if block_id is not None and self.block(block_id).token_ids == token_ids else None
 
-    def register(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+    def register(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
+        """List the block in the prefix cache under this hash; False if it or the hash is listed already."""
         block = self.block(block_id)
-        if block.hash is None and block_hash not in self.cached:
-            block.hash, block.token_ids = block_hash, token_ids
-            self.cached[block_hash] = block_id
+        if block.hash is not None or block_hash in self.cached:
+            return False
+        block.hash, block.token_ids = block_hash, token_ids
+        self.cached[block_hash] = block_id
+        return True

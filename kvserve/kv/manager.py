@@ -9,6 +9,11 @@ kivi2: new tokens go to float blocks of a second, residual pool; once a block's 
 decided right after a forward pass (`pack_aged`) and done by the model runner before anything else is
 scheduled, so a block never holds values in two states at once.
 
+With KV tiers (kv/tiers), a block registered in the prefix cache is also saved to them (`saves`, which the engine
+copies out after the step), and a prefix the pool lacks is looked up there: the blocks found are allocated,
+registered and filled with the saved values (the sequence's `tier_loads`, which the runner writes before the
+forward pass), as if the pool had kept them.
+
 A sliding-window group (Gemma 3's local layers, Mistral) gives back the blocks that slid out of its window
 before each step: their entries in its block table become NULL, so a table's length stays the sequence's
 length in blocks. A prefix-cache hit then needs only the window's blocks of a sliding group.
@@ -24,11 +29,12 @@ from kvserve.engine.sequence import Sequence
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.block_table import NULL
 from kvserve.kv.spec import KVLayout
+from kvserve.kv.tiers import Tiers
 
 
 class KVManager:
     def __init__(self, layout: KVLayout, num_blocks: int, num_residual: int, enable_prefix_caching: bool, salt: str,
-                 chunk_tokens: int = 0):
+                 chunk_tokens: int = 0, tiers: Tiers | None = None):
         """chunk_tokens: the most tokens a step computes for one sequence (a sliding group holds its window
         plus those)."""
         self.layout, self.block_size, self.num_groups = layout, layout.block_size, len(layout.groups)
@@ -39,6 +45,8 @@ class KVManager:
         self.residual = BlockPool(num_residual, first_id=num_blocks) if layout.has_residual else None
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = f"{salt}|{layout.k_format.name}|{layout.v_format.name}|{layout.block_size}|{layout.residual_tokens}".encode()
+        self.tiers = tiers
+        self.saves: list[tuple[int, bytes, tuple[int, ...]]] = []  # (block, key, tokens) registered since the engine last saved
 
     @property
     def num_blocks(self) -> int:
@@ -61,35 +69,66 @@ class KVManager:
         return low + self.layout.residual_tokens
 
     def allocate_cached_prefix(self, seq: Sequence) -> int:
-        """Point a new sequence's block tables at the longest cached prefix; returns the tokens reused."""
+        """Point a new sequence's block tables at the longest cached prefix, in the pool or a KV tier; returns the
+        tokens reused."""
         assert not len(seq.block_tables) and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # scoring needs every position's logits
             return 0
         self._hash_full_blocks(seq)
-        bs, found = self.block_size, {}
+        bs, found, stored = self.block_size, {}, {}
 
-        def lookup(g: int, i: int) -> int | None:
+        def tokens(i: int) -> tuple[int, ...]:
+            return tuple(seq.token_ids[i * bs:(i + 1) * bs])
+
+        def in_pool(g: int, i: int) -> int | None:
             if (g, i) not in found:
-                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                found[g, i] = self.pool.lookup(_group_key(seq.block_hashes[i], g), tokens)
+                found[g, i] = self.pool.lookup(_group_key(seq.block_hashes[i], g), tokens(i))
             return found[g, i]
 
-        full_groups = [g for g, w in enumerate(self.windows) if w is None]
-        hit = 0  # the last token is always computed, for its logits
-        while hit < (seq.num_tokens - 1) // bs and all(lookup(g, hit) is not None for g in full_groups):
-            hit += 1
-        while hit and not all(lookup(g, i) is not None for g, w in enumerate(self.windows) if w
-                              for i in range(self._first_needed(hit * bs, w), hit)):
-            hit -= 1  # a sliding group needs the blocks of the window before the first uncomputed token
+        def in_tier(g: int, i: int) -> bytes | None:
+            if (g, i) not in stored:
+                stored[g, i] = self.tiers.load(_group_key(seq.block_hashes[i], g), tokens(i))
+            return stored[g, i]
+
+        hit = self._longest_hit(seq, lambda g, i: in_pool(g, i) is not None)
+        if self.tiers is not None:
+            longer = self._longest_hit(seq, lambda g, i: in_pool(g, i) is not None or in_tier(g, i) is not None)
+            needed = self._needed(longer)
+            missing = sum(in_pool(g, i) is None for g, i in needed)
+            idle_hits = sum(self.pool.block(in_pool(g, i)).ref_count == 0 for g, i in needed if in_pool(g, i) is not None)
+            if missing <= self.pool.num_free - idle_hits:  # the pool has room for what the tiers hold
+                hit = longer
         columns = np.full((self.num_groups, hit), NULL)
-        for g, w in enumerate(self.windows):
-            for i in range(self._first_needed(hit * bs, w), hit):
-                self.pool.take(found[g, i])
-                columns[g, i] = found[g, i]
+        needed = self._needed(hit)
+        for g, i in needed:  # the pool's blocks first: loading the rest may evict idle cached blocks
+            if in_pool(g, i) is not None:
+                self.pool.take(in_pool(g, i))
+                columns[g, i] = in_pool(g, i)
+        for g, i in needed:
+            if columns[g, i] == NULL:
+                columns[g, i] = self.pool.allocate()
+                self.pool.register(int(columns[g, i]), _group_key(seq.block_hashes[i], g), tokens(i))
+                seq.tier_loads.append((int(columns[g, i]), in_tier(g, i)))
         seq.block_tables.extend(columns)
         seq.num_hashed_blocks = seq.num_packed_blocks = hit
         seq.num_computed_tokens = hit * bs
         return seq.num_computed_tokens
+
+    def _longest_hit(self, seq: Sequence, cached) -> int:
+        """Leading blocks every full group has cached (`cached(group, block)`), but never the last token's (it is
+        computed, for its logits), fewer until each sliding group has the window's blocks before the first token
+        left to compute."""
+        full_groups = [g for g, w in enumerate(self.windows) if w is None]
+        hit = 0
+        while hit < (seq.num_tokens - 1) // self.block_size and all(cached(g, hit) for g in full_groups):
+            hit += 1
+        while hit and not all(cached(g, i) for g, w in enumerate(self.windows) if w for i in range(self._first_needed(hit * self.block_size, w), hit)):
+            hit -= 1
+        return hit
+
+    def _needed(self, hit: int) -> list[tuple[int, int]]:
+        """The (group, block) a prefix of `hit` blocks needs: every block of a full group, a window's of a sliding one."""
+        return [(g, i) for g, w in enumerate(self.windows) for i in range(self._first_needed(hit * self.block_size, w), hit)]
 
     def _first_needed(self, position: int, window: int | None) -> int:
         """The first block a query at `position` (or later) reads in a group with this window."""
@@ -225,6 +264,9 @@ class KVManager:
         seq.num_hashed_blocks = full
 
     def free(self, seq: Sequence) -> None:
+        for block_id, _ in seq.tier_loads:  # never loaded (the sequence was not admitted): the values are not there
+            self.pool.forget(block_id)
+        seq.tier_loads = []
         # Tail blocks go to the free queue first, so they are evicted before the prefix they extend.
         for removed in seq.block_tables.truncate(0):
             for block_id in reversed(removed):
@@ -295,8 +337,9 @@ class KVManager:
     def _register(self, seq: Sequence, i: int) -> None:
         tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
         for g, block_id in enumerate(seq.block_tables.ids[:, i].tolist()):
-            if block_id != NULL:
-                self.pool.register(block_id, _group_key(seq.block_hashes[i], g), tokens)
+            key = _group_key(seq.block_hashes[i], g)
+            if block_id != NULL and self.pool.register(block_id, key, tokens) and self.tiers is not None and key not in self.tiers:
+                self.saves.append((block_id, key, tokens))
 
     def pool_of(self, block_id: int) -> BlockPool:
         """The pool a block id belongs to: the main one, or the residual one whose ids follow it."""

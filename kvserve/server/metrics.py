@@ -45,6 +45,8 @@ class Metrics:
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed and verified.")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.")
         self.evicted_tokens = counter("kv_evicted_tokens", "KV policies: cached tokens evicted.")
+        self.tier_loaded = counter("kv_tier_loaded_blocks", "KV tiers: blocks of cached prefixes loaded into the pool.")
+        self.tier_saved = counter("kv_tier_saved_blocks", "KV tiers: blocks saved to them.")
         self.finished = Counter("kvserve:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model = model
@@ -59,6 +61,8 @@ class Metrics:
         self.draft_tokens.inc(stats.num_draft_tokens - last.num_draft_tokens)
         self.accepted_tokens.inc(stats.num_accepted_tokens - last.num_accepted_tokens)
         self.evicted_tokens.inc(stats.num_evicted_tokens - last.num_evicted_tokens)
+        self.tier_loaded.inc(stats.tier_loaded_blocks - last.tier_loaded_blocks)
+        self.tier_saved.inc(stats.tier_saved_blocks - last.tier_saved_blocks)
         self._last_stats = replace(stats)
 
     def record_finished(self, reason: str) -> None:

@@ -1,0 +1,142 @@
+"""KV tiers: prefix-cache blocks saved past the pool (CPU RAM, a disk) come back with the same values, after the
+pool evicted them and after a restart, and never leave a block listed whose values were not loaded."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve import LLM, KVServeError, SamplingParams
+from kvserve.kv.tiers import Tiers, parse_tier
+from kvserve.kv.tiers.disk import DiskStore
+from kvserve.kv.tiers.host import HostStore
+from tests.conftest import greedy
+
+BS = 4
+
+
+def test_host_store_keeps_the_most_recently_used_within_its_size():
+    store = HostStore(30)
+    for key in (b"a", b"b", b"c"):
+        store.put(key, bytes(10))
+    assert store.get(b"a") == bytes(10)  # now the most recent
+    store.put(b"d", bytes(10))
+    assert b"b" not in store and all(k in store for k in (b"a", b"c", b"d")) and store.nbytes == 30
+    store.put(b"e", bytes(31))  # larger than the whole store: not kept
+    assert b"e" not in store and len(store) == 3
+
+
+def test_disk_store_survives_a_restart_and_a_file_removed_behind_its_back(tmp_path):
+    store = DiskStore(str(tmp_path), 3 * 8)
+    for key in (b"\x01", b"\x02", b"\x03"):
+        store.put(key, key * 8)
+    store.get(b"\x01")
+    store.put(b"\x04", b"\x04" * 8)  # evicts the least recently used: \x02
+    assert b"\x02" not in store and not (tmp_path / "02.kvblock").exists()
+    again = DiskStore(str(tmp_path), 3 * 8)
+    assert again.get(b"\x04") == b"\x04" * 8 and again.nbytes == 24 and len(again) == 3
+    (tmp_path / "01.kvblock").unlink()
+    assert again.get(b"\x01") is None and b"\x01" not in again and again.nbytes == 16
+    assert DiskStore(str(tmp_path), 8).nbytes == 8  # a smaller size at start drops the oldest files
+
+
+def test_tiers_check_tokens_and_size_and_copy_into_faster_tiers(tmp_path):
+    tiers = Tiers(["cpu:1MiB", f"disk:{tmp_path}:1MiB"], block_bytes=6)
+    tiers.save(b"k", (1, 2), b"values")
+    assert tiers.load(b"k", (1, 3)) is None  # another block's tokens under this key
+    tiers.stores[0].entries.clear()
+    assert tiers.load(b"k", (1, 2)) == b"values" and b"k" in tiers.stores[0]  # read from disk, kept in RAM too
+    assert Tiers([f"disk:{tmp_path}:1MiB"], block_bytes=7).load(b"k", (1, 2)) is None  # another layout's block size
+
+
+@pytest.mark.parametrize("spec,message", [("gpu:1GiB", "unknown KV tier 'gpu:1GiB'"), ("cpu:lots", "invalid size 'lots'"),
+                                          ("cpu:", "unknown KV tier"), ("disk:/dev/null/x", "KV tier directory /dev/null/x")])
+def test_bad_tier_specs(spec, message):
+    with pytest.raises(KVServeError, match=message):
+        parse_tier(spec)
+
+
+def _engine(model_dir, tiers, num_blocks: int = 24, **kw) -> LLM:
+    return LLM(str(model_dir), num_blocks=num_blocks, block_size=BS, kv_tiers=tiers, **kw)
+
+
+def _flush(llm: LLM) -> None:
+    """Other prompts through the pool until none of its blocks holds what it held."""
+    for start in range(100, 220, 20):
+        llm.generate(list(range(start, start + 40)), greedy(2), use_tqdm=False)
+
+
+def _run(llm: LLM, prompt: list[int]):
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+
+
+def _same(a, b) -> bool:
+    return a.outputs[0].token_ids == b.outputs[0].token_ids and all(
+        x.logprob == pytest.approx(y.logprob, abs=1e-5) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs))
+
+
+@pytest.mark.parametrize("tier", ["cpu:1MiB", "disk"])
+def test_evicted_prefix_comes_back_from_a_tier(tiny_model_dir, tmp_path, tier):
+    prompt = list(range(3, 45))  # 10 full blocks before the last token's
+    plain = _run(LLM(str(tiny_model_dir), enable_prefix_caching=False), prompt)
+    llm = _engine(tiny_model_dir, [tier if tier != "disk" else f"disk:{tmp_path}"])
+    first = _run(llm, prompt)
+    _flush(llm)
+    again = _run(llm, prompt)  # every block from the tier: the pool kept none of them
+    assert first.metrics.cached_tokens == 0 and again.metrics.cached_tokens == 40 and llm.engine.scheduler.stats.tier_loaded_blocks == 10
+    assert _same(plain, first) and _same(plain, again)
+    assert llm.engine.kv_manager.pool.num_used == 0
+
+
+def test_a_restart_finds_the_disk_tier_but_another_model_does_not(tiny_model_dir, tiny_model_dir_d32, tmp_path):
+    prompt = list(range(7, 40))
+    first = _run(_engine(tiny_model_dir, [f"disk:{tmp_path}"]), prompt)
+    restarted = _engine(tiny_model_dir, [f"disk:{tmp_path}"])
+    again = _run(restarted, prompt)
+    assert again.metrics.cached_tokens == 32 and _same(first, again)
+    assert _run(_engine(tiny_model_dir_d32, [f"disk:{tmp_path}"]), prompt).metrics.cached_tokens == 0
+    assert _run(_engine(tiny_model_dir, [f"disk:{tmp_path}"], dtype="bfloat16"), prompt).metrics.cached_tokens == 0
+
+
+def test_sliding_window_groups_load_only_the_window(tiny_sliding_dir, tmp_path):
+    prompt = list(range(5, 50))
+    plain = _run(LLM(str(tiny_sliding_dir), enable_prefix_caching=False), prompt)
+    llm = _engine(tiny_sliding_dir, ["cpu:1MiB"], num_blocks=40)  # two groups: a block of tokens takes two
+    _run(llm, prompt)
+    _flush(llm)
+    loaded = llm.engine.scheduler.stats.tier_loaded_blocks
+    again = _run(llm, prompt)
+    assert again.metrics.cached_tokens == 44 and _same(plain, again)
+    assert llm.engine.scheduler.stats.tier_loaded_blocks - loaded == 11 + 2  # the full group's 11 blocks, the sliding one's window
+
+
+def test_many_requests_on_a_small_pool_with_tiers_equal_the_plain_engine(tiny_model_dir):
+    """Shared prefixes, a pool too small to hold them (preemption, admissions that fail after a tier lookup):
+    every output equals the engine without any cache reuse, and no block stays held."""
+    rng = random.Random(0)
+    stems = [[rng.randrange(1, 250) for _ in range(rng.randrange(8, 30))] for _ in range(4)]
+    prompts = [rng.choice(stems) + [rng.randrange(1, 250) for _ in range(rng.randrange(1, 10))] for _ in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(tiny_model_dir), enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    llm = _engine(tiny_model_dir, ["cpu:64KiB"], max_num_seqs=6)  # the tier too holds only part of them
+    for _ in range(3):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [p.outputs[0].token_ids for p in plain]
+    assert llm.engine.scheduler.stats.tier_loaded_blocks > 0 and llm.engine.kv_manager.pool.num_used == 0
+
+
+def test_tiers_need_prefix_caching(tiny_model_dir):
+    with pytest.raises(KVServeError, match="need prefix caching"):
+        LLM(str(tiny_model_dir), kv_tiers=["cpu:1MiB"], enable_prefix_caching=False)
+
+
+def test_block_bytes_round_trip(tiny_model_dir):
+    llm = _engine(tiny_model_dir, [])
+    cache = llm.engine.runner.kv_cache
+    for t in cache._main:
+        t.copy_(torch.randn(t.shape).to(t.dtype) if t.is_floating_point() else torch.randint(-100, 100, t.shape).to(t.dtype))
+    blobs = cache.read_blocks([3, 5])
+    assert len(blobs[0]) == cache.block_nbytes
+    cache.write_blocks([(7, blobs[0]), (9, blobs[1]), (9, blobs[0])])  # a later pair for a block wins
+    assert all(torch.equal(t[7], t[3]) and torch.equal(t[9], t[3]) for t in cache._main)
