@@ -140,3 +140,49 @@ def test_block_bytes_round_trip(tiny_model_dir):
     assert len(blobs[0]) == cache.block_nbytes
     cache.write_blocks([(7, blobs[0]), (9, blobs[1]), (9, blobs[0])])  # a later pair for a block wins
     assert all(torch.equal(t[7], t[3]) and torch.equal(t[9], t[3]) for t in cache._main)
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """A redis-server of our own on a free port (`make test` installs Debian's redis-server)."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    import redis
+
+    assert shutil.which("redis-server"), "redis-server is missing: make test installs it (apt-get install redis-server)"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                               "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    url, deadline = f"redis://127.0.0.1:{port}/0", time.time() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            break
+        except redis.ConnectionError:
+            assert time.time() < deadline and server.poll() is None, "redis-server did not start"
+            time.sleep(0.05)
+    yield url, server
+    server.terminate()
+    server.wait(timeout=10)
+
+
+def test_engines_share_a_redis_tier_and_go_on_when_it_is_gone(tiny_model_dir, redis_url):
+    url, server = redis_url
+    prompt = list(range(9, 50))
+    first = _run(_engine(tiny_model_dir, [url]), prompt)
+    other = _engine(tiny_model_dir, ["cpu:1MiB", url])  # another engine (a restart, another process): its RAM tier fills from Redis
+    again = _run(other, prompt)
+    assert again.metrics.cached_tokens == 40 and _same(first, again) and len(other.engine.tiers.stores[0]) == 10
+    assert "keys)" in other.engine.tiers.describe()
+    gone = _engine(tiny_model_dir, [url])
+    server.terminate()  # the server goes away after the engine started: lookups miss, saves are lost
+    server.wait(timeout=10)
+    after = _run(gone, prompt)
+    assert after.metrics.cached_tokens == 0 and _same(first, after)
+    with pytest.raises(KVServeError, match=f"KV tier {url}"):
+        _engine(tiny_model_dir, [url])

@@ -29,12 +29,11 @@ class DiskStore:
         self.nbytes = sum(self.sizes.values())
         self._shrink(0)
 
-    @property
-    def kind(self) -> str:
-        return f"disk {self.directory}"
-
     def __str__(self) -> str:
         return f"disk:{self.directory}:{self.capacity}"
+
+    def describe(self) -> str:
+        return f"disk {self.directory} {self.capacity / 2**20:.0f} MiB ({len(self)} blocks held)"
 
     def __len__(self) -> int:
         return len(self.sizes)

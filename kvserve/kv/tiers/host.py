@@ -9,10 +9,11 @@ class HostStore:
         self.capacity, self.nbytes = capacity, 0
         self.entries: OrderedDict[bytes, bytes] = OrderedDict()  # least recently used first
 
-    kind = "cpu"
-
     def __str__(self) -> str:
         return f"cpu:{self.capacity}"
+
+    def describe(self) -> str:
+        return f"cpu {self.capacity / 2**20:.0f} MiB ({len(self)} blocks held)"
 
     def __len__(self) -> int:
         return len(self.entries)
