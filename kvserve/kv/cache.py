@@ -157,18 +157,22 @@ class KVCache:
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Main-pool blocks' values as bytes, one string per block (for a KV tier)."""
         ids = torch.tensor(block_ids, device=self.device, dtype=torch.long)
-        rows = torch.cat([t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in self._main], 1)
+        rows = torch.cat([_bytes(t).index_select(0, ids) for t in self._main], 1)
         return [row.tobytes() for row in rows.cpu().numpy()]
 
     def write_blocks(self, blocks: list[tuple[int, bytes]]) -> None:
         """read_blocks' bytes back into main-pool blocks: (block id, bytes) pairs, in order (a later pair wins)."""
         latest = dict(blocks)
         ids = torch.tensor(list(latest), device=self.device, dtype=torch.long)
-        rows = torch.frombuffer(bytearray(b"".join(latest.values())), dtype=torch.uint8).view(len(latest), -1)
+        rows = torch.frombuffer(bytearray().join(latest.values()), dtype=torch.uint8).view(len(latest), -1).to(self.device)
         for t, part in zip(self._main, rows.split([t[0].nbytes for t in self._main], 1)):
-            t.index_copy_(0, ids, part.contiguous().view(t.dtype).view(len(latest), *t.shape[1:]).to(t.device))
+            _bytes(t).index_copy_(0, ids, part)
 
     def _split(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor(block_ids, device=self.device, dtype=torch.long)
         return ids[ids < self.num_blocks], ids[ids >= self.num_blocks] - self.num_blocks
 
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A cache tensor's blocks as rows of bytes [blocks, bytes per block], the same memory."""
+    return t.view(t.shape[0], -1).view(torch.uint8)
