@@ -68,6 +68,8 @@ def test_a_restarted_server_answers_a_repeated_prompt_from_its_disk_tier(tiny_mo
     with running_server(str(tiny_model_dir), **options) as (url, _):
         again = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         metrics = httpx.get(f"{url}/metrics").text
+        tiers = httpx.get(f"{url}/kv/state").json()["layout"]["tiers"]
+    assert tiers.startswith(f"KV tiers disk {tmp_path}") and tiers.endswith("(15 blocks held)")  # the prompt's and its answer's
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 56
     assert again["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]

@@ -212,7 +212,8 @@ class AsyncEngine:
         blocks = [{"id": b.id, "owners": owners.get(b.id, []), "ref": b.ref_count, "cached": b.hash is not None,
                    "compacted": b.id in compacted} for b in listed]
         grid = {"blocks": sum(pool.num_blocks for pool in pools), "residual_from": kv.pool.num_blocks}
-        layout = {**engine.layout.to_dict(), "description": engine.layout.describe()}
+        layout = {**engine.layout.to_dict(), "description": engine.layout.describe(),
+                  "tiers": engine.tiers.describe() if engine.tiers is not None else ""}
         return {"blocks": blocks, "grid": grid, "block_size": kv.block_size, "layout": layout, "usage": engine.kv_usage(),
                 "evicted_tokens": engine.scheduler.stats.num_evicted_tokens, "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                 "history": list(self.usage_history), **self.recent.summary()}
