@@ -16,6 +16,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    tier_tokens: int = 0  # of those, tokens the pool no longer held, loaded from a KV tier
     forked_blocks: int = 0  # n > 1: blocks of the prompt the other completions share instead of computing again
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed...
     num_accepted_tokens: int = 0  # ...and kept

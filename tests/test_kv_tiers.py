@@ -84,7 +84,8 @@ def test_evicted_prefix_comes_back_from_a_tier(tiny_model_dir, tmp_path, tier):
     first = _run(llm, prompt)
     _flush(llm)
     again = _run(llm, prompt)  # every block from the tier: the pool kept none of them
-    assert first.metrics.cached_tokens == 0 and again.metrics.cached_tokens == 40 and llm.engine.scheduler.stats.tier_loaded_blocks == 10
+    assert first.metrics.cached_tokens == 0 and again.metrics.cached_tokens == again.metrics.tier_tokens == 40
+    assert llm.engine.scheduler.stats.tier_loaded_blocks == 10
     assert _same(plain, first) and _same(plain, again)
     assert llm.engine.kv_manager.pool.num_used == 0
 
@@ -107,7 +108,7 @@ def test_sliding_window_groups_load_only_the_window(tiny_sliding_dir, tmp_path):
     _flush(llm)
     loaded = llm.engine.scheduler.stats.tier_loaded_blocks
     again = _run(llm, prompt)
-    assert again.metrics.cached_tokens == 44 and _same(plain, again)
+    assert again.metrics.cached_tokens == again.metrics.tier_tokens == 44 and _same(plain, again)
     assert llm.engine.scheduler.stats.tier_loaded_blocks - loaded == 11 + 2  # the full group's 11 blocks, the sliding one's window
 
 

@@ -177,7 +177,7 @@ class Scheduler:
                 return False
             batch.swap_in.append((seq, block_ids))
             return True
-        cached = kv.allocate_cached_prefix(seq)
+        cached, from_tiers = kv.allocate_cached_prefix(seq)
         if not kv.can_hold_prompt(seq) or not kv.allocate_slots(seq, min(seq.num_uncomputed_tokens, budget)):
             kv.free(seq)
             seq.forget_kv()
@@ -189,5 +189,5 @@ class Scheduler:
             self.stats.prefix_queries += seq.num_tokens
             self.stats.prefix_hits += cached
         if seq.metrics.first_scheduled_time is None:
-            seq.metrics.cached_tokens = cached
+            seq.metrics.cached_tokens, seq.metrics.tier_tokens = cached, from_tiers
         return True

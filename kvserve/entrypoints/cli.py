@@ -98,7 +98,8 @@ def stats_line(out: RequestOutput) -> str:
     m = out.metrics
     rate = f"{m.decode_tokens_per_s:.1f} tok/s" if m.decode_tokens_per_s else "n/a"
     prefilled = m.num_prompt_tokens - m.cached_tokens
-    return (f"[{m.num_prompt_tokens} prompt tokens: {prefilled} prefilled, {m.cached_tokens} from cache | "
+    tiers = f" ({m.tier_tokens} from KV tiers)" if m.tier_tokens else ""
+    return (f"[{m.num_prompt_tokens} prompt tokens: {prefilled} prefilled, {m.cached_tokens} from cache{tiers} | "
             f"{m.num_output_tokens} generated | TTFT {m.ttft * 1000:.0f} ms | decode {rate} | "
             f"KV {m.kv_bytes / 2**20:.2f} MiB{_eviction(m)}{_speculation(m)} | finish: {out.outputs[0].finish_reason}]")
 

@@ -68,12 +68,12 @@ class KVManager:
             low, high = (mid, high) if self.blocks_for(mid) <= self.pool.num_blocks else (low, mid - 1)
         return low + self.layout.residual_tokens
 
-    def allocate_cached_prefix(self, seq: Sequence) -> int:
+    def allocate_cached_prefix(self, seq: Sequence) -> tuple[int, int]:
         """Point a new sequence's block tables at the longest cached prefix, in the pool or a KV tier; returns the
-        tokens reused."""
+        tokens reused, and how many of them the pool alone would have computed (the tiers')."""
         assert not len(seq.block_tables) and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # scoring needs every position's logits
-            return 0
+            return 0, 0
         self._hash_full_blocks(seq)
         bs, found, stored = self.block_size, {}, {}
 
@@ -90,7 +90,7 @@ class KVManager:
                 stored[g, i] = self.tiers.load(_group_key(seq.block_hashes[i], g), tokens(i))
             return stored[g, i]
 
-        hit = self._longest_hit(seq, lambda g, i: in_pool(g, i) is not None)
+        hit = pool_hit = self._longest_hit(seq, lambda g, i: in_pool(g, i) is not None)
         if self.tiers is not None:
             longer = self._longest_hit(seq, lambda g, i: in_pool(g, i) is not None or in_tier(g, i) is not None)
             needed = self._needed(longer)
@@ -112,7 +112,7 @@ class KVManager:
         seq.block_tables.extend(columns)
         seq.num_hashed_blocks = seq.num_packed_blocks = hit
         seq.num_computed_tokens = hit * bs
-        return seq.num_computed_tokens
+        return seq.num_computed_tokens, (hit - pool_hit) * bs
 
     def _longest_hit(self, seq: Sequence, cached) -> int:
         """Leading blocks every full group has cached (`cached(group, block)`), but never the last token's (it is

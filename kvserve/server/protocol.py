@@ -153,12 +153,14 @@ def new_id(prefix: str) -> str:
 
 def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict:
     """OpenAI's usage, plus kvserve's forked_blocks (prompt blocks n > 1 completions shared instead of computing),
-    the KV bytes the request held at its end, with a KV policy its name and the tokens it evicted, and, with
-    speculative decoding, the tokens proposed and accepted."""
+    the KV bytes the request held at its end, the cached tokens a KV tier gave (kv_tier_tokens), with a KV policy its
+    name and the tokens it evicted, and, with speculative decoding, the tokens proposed and accepted."""
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = max((o.metrics.cached_tokens for o in outputs), default=0)
+    from_tiers = max((o.metrics.tier_tokens for o in outputs), default=0)
+    details = {"cached_tokens": cached, **({"kv_tier_tokens": from_tiers} if from_tiers else {})}
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}, "forked_blocks": sum(o.metrics.forked_blocks for o in outputs),
+            "prompt_tokens_details": details, "forked_blocks": sum(o.metrics.forked_blocks for o in outputs),
             "kv_bytes": sum(o.metrics.kv_bytes for o in outputs), **_kv_policy(outputs), **_speculative(outputs)}
 
 
