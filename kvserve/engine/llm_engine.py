@@ -16,9 +16,9 @@ from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
 from kvserve.kv.manager import KVManager
-from kvserve.kv.tiers import Tiers
 from kvserve.kv.policies import UNBOUNDED, KVPolicy, SeqKV, add_votes, parse_policy
 from kvserve.kv.spec import KVLayout, build_layout
+from kvserve.kv.tiers import Tiers
 from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import open_checkpoint
 from kvserve.outputs import RequestOutput

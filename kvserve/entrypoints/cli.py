@@ -44,7 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="kivi2: newest tokens per request kept in full precision (a multiple of --block-size)")
     parser.add_argument("--kv-tier", action="append", default=[], metavar="TIER", dest="kv_tiers",
                         help="a store past the KV pool for prefix-cache blocks, fastest first (repeatable): cpu:SIZE, "
-                             "disk:DIR[:SIZE] (kept across restarts; 10GiB when no size is given)")
+                             "disk:DIR[:SIZE] (kept across restarts; 10GiB when no size is given), redis://HOST:PORT[/DB]")
     parser.add_argument("--kv-policy", default=None, metavar="POLICY",
                         help="which cached tokens requests keep, NAME:key=value,...: streaming:sinks=4,window=1024 (runs past the "
                              "context window), h2o:budget=0.2 (heavy hitters + recent), snapkv:budget=512 (the prompt's "

@@ -1,7 +1,7 @@
 """KV tiers: the prefix cache's full blocks, saved past the pool to larger, slower stores (CPU RAM, a local
-disk, a Redis server), keyed by the block's chained hash (which names the model, the layout and every token before it), so a
-later prompt that starts with the same tokens loads them into the pool instead of computing them again, also
-after the pool evicted them, and with a disk tier after a restart.
+disk, a Redis server), keyed by the block's chained hash (which names the model, the layout and every token
+before it), so a later prompt that starts with the same tokens loads them into the pool instead of computing
+them again, also after the pool evicted them, and with a disk or Redis tier after a restart.
 
 A block is saved once, when it becomes full of computed tokens (write-through: what a disk holds survives the
 process), to every tier; a lookup reads the first tier that holds it and copies it into the faster ones.
