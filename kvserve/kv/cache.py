@@ -157,7 +157,7 @@ class KVCache:
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Main-pool blocks' values as bytes, one string per block (for a KV tier)."""
         ids = torch.tensor(block_ids, device=self.device, dtype=torch.long)
-        rows = torch.cat([_bytes(t).index_select(0, ids) for t in self._main], 1)
+        rows = torch.cat([_rows(t).index_select(0, ids).view(torch.uint8) for t in self._main], 1)
         return [row.tobytes() for row in rows.cpu().numpy()]
 
     def write_blocks(self, blocks: list[tuple[int, bytes]]) -> None:
@@ -166,13 +166,16 @@ class KVCache:
         ids = torch.tensor(list(latest), device=self.device, dtype=torch.long)
         rows = torch.frombuffer(bytearray().join(latest.values()), dtype=torch.uint8).view(len(latest), -1).to(self.device)
         for t, part in zip(self._main, rows.split([t[0].nbytes for t in self._main], 1)):
-            _bytes(t).index_copy_(0, ids, part)
+            target = _rows(t)
+            target.index_copy_(0, ids, part.contiguous().view(target.dtype))
 
     def _split(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor(block_ids, device=self.device, dtype=torch.long)
         return ids[ids < self.num_blocks], ids[ids >= self.num_blocks] - self.num_blocks
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A cache tensor's blocks as rows of bytes [blocks, bytes per block], the same memory."""
-    return t.view(t.shape[0], -1).view(torch.uint8)
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A cache tensor's blocks as rows of their bytes, the same memory, 8 to an element where they divide: index_copy_
+    copies element by element (140 blocks of SmolLM2's fp16 cache: 8.7 ms as int64, 22-36 ms as bytes)."""
+    rows = t.view(t.shape[0], -1).view(torch.uint8)
+    return rows.view(torch.int64) if rows.shape[1] % 8 == 0 else rows
