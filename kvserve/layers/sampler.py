@@ -104,8 +104,6 @@ def _adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     logits = logits.clone()
     for i in rows:
         p, row = batch.params[i], logits[i]
-        if p.min_tokens and batch.early_stops and len(batch.token_ids[i]) - batch.num_prompt[i] + len(batch.guesses[i]) < p.min_tokens:
-            row[batch.early_stops[i]] = -torch.inf
         if p.logit_bias:
             row[torch.tensor(list(p.logit_bias))] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
         if p.repetition_penalty != 1.0:
@@ -117,4 +115,6 @@ def _adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if output_ids:
             counts = torch.bincount(torch.tensor(output_ids), minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.min_tokens and batch.early_stops and len(batch.token_ids[i]) - batch.num_prompt[i] + len(batch.guesses[i]) < p.min_tokens:
+            row[batch.early_stops[i]] = -torch.inf
     return logits
