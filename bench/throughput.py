@@ -41,11 +41,14 @@ class Result:
 
 def gemm_flops(dtype: torch.dtype, n: int = 2048) -> float:
     """FLOP/s of one n x n x n matmul on this machine in `dtype`: what its cores reach on dense math."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a, b = torch.randn(n, n, device=DEVICE).to(dtype), torch.randn(n, n, device=DEVICE).to(dtype)
     a @ b
+    sync = torch.cuda.synchronize if DEVICE.type == "cuda" else lambda: None
+    sync()
     start = time.perf_counter()
     for _ in range(3):
         a @ b
+    sync()
     return 3 * 2 * n**3 / (time.perf_counter() - start)
 
 
@@ -105,10 +108,11 @@ def main() -> None:
     prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(args.num_requests)]
 
-    results = []
-    for name, scheduler in (("kvserve continuous", "continuous"), ("kvserve static", "static")):
-        llm = LLM(args.model, scheduler=scheduler, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
-                  matmul_dtype=args.matmul_dtype)
+    results, runs = [], [("kvserve continuous", {}), ("kvserve static", dict(scheduler="static"))]
+    if DEVICE.type == "cuda":  # the decode steps op by op too, beside their CUDA graphs
+        runs.append(("kvserve continuous, eager", dict(enforce_eager=True)))
+    for name, options in runs:
+        llm = LLM(args.model, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, matmul_dtype=args.matmul_dtype, **options)
         results.append(run_kvserve(name, llm, prompts, args.new_tokens))
         bf16, kv, matmuls = llm.engine.config.bf16_matmuls, llm.engine.layout.dtype_name, llm.engine.runner.model.describe_matmuls()
         del llm
@@ -123,10 +127,12 @@ def main() -> None:
         ttft = f"TTFT p50 {percentile(r.ttft, 0.5):6.1f} s  p99 {percentile(r.ttft, 0.99):6.1f} s" if r.ttft else "TTFT n/a"
         waste = f"KV waste {r.kv_waste * 100:5.1f}%" if r.kv_waste is not None else ""
         print(f"  {r.name:40s} {r.tokens_per_s:8.1f} output tok/s   {ttft}   {waste}")
-    continuous = results[0].tokens_per_s
+    continuous, by_name = results[0].tokens_per_s, {r.name: r.tokens_per_s for r in results}
     print(f"ratio continuous / static:       {continuous / results[1].tokens_per_s:.2f}x")
-    if len(results) > 2:
-        print(f"ratio continuous / transformers: {continuous / results[2].tokens_per_s:.2f}x")
+    if "kvserve continuous, eager" in by_name:
+        print(f"ratio CUDA graphs / eager:       {continuous / by_name['kvserve continuous, eager']:.2f}x")
+    if not args.skip_transformers:
+        print(f"ratio continuous / transformers: {continuous / results[-1].tokens_per_s:.2f}x")
     if results[0].decode_tokens_per_s is None:  # every step prefilled too (--new-tokens 1)
         return
     flops = 2 * load_spec(args.model).num_params() * results[0].decode_tokens_per_s  # the matmuls; attention left out

@@ -157,6 +157,7 @@ class EngineConfig:
     # A prompt's tokens attend as decode queries (the decode kernel, each over its own context), so a request's
     # numbers never depend on what shares its steps or how its prompt is chunked; long prompts prefill slower.
     batch_invariant: bool = False
+    enforce_eager: bool = False  # CUDA: run decode steps op by op instead of replaying CUDA graphs of them (vLLM's flag)
     seed: int = 0
 
     def validate(self) -> None:

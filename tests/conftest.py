@@ -1,10 +1,15 @@
 """Shared fixtures: tiny random Llama models built with transformers, and the real SmolLM2."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kvserve import LLM
+
+if not torch.cuda.is_available():  # the CUDA backend's Triton kernels run (slowly, exactly) on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)

@@ -73,9 +73,12 @@ class ModelRunner:
         hugepages.return_freed_memory()
         self.windows = [g.spec.window for g in layout.groups]  # per KV group: its sliding window, or None
         self.sdpa = SDPABackend(self.kv_cache)
-        self.backend = NativeCPUBackend(self.kv_cache) if self.native else self.sdpa
+        self.backend, self.graphs = self.sdpa, None
         if self.native:
+            self.backend = NativeCPUBackend(self.kv_cache)
             self.backend.stack_layers(self.model)
+        elif self.device.type == "cuda":
+            self.backend, self.graphs = _cuda_backend(self.model, self.sdpa, config, max_model_len)
         if config.batch_invariant and not self.backend.batch_invariant:
             raise KVServeError("batch_invariant needs a GGUF model's layers stacked on the native CPU kernels with int8 "
                                "activations at every step size (not matmul_dtype=float32, --no-native-kernels, CUDA, "
@@ -92,7 +95,10 @@ class ModelRunner:
         if not batch.seqs:
             return StepOutput([], [], [], None)
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.ctx)
+        if self.graphs is not None and self.graphs.fits(inputs.ctx):
+            hidden = self.graphs.run(inputs.input_ids, inputs.ctx)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.ctx)
         selected = hidden[inputs.logits_index]
         logits = self.model.compute_logits(selected)
         self.last_logits = logits
@@ -107,7 +113,6 @@ class ModelRunner:
         sampling = SamplingBatch([s.params for s, _, _ in rows], [s.generator for s, _, _ in rows], [s.token_ids for s, _, _ in rows],
                                  [s.num_prompt_tokens for s, _, _ in rows], [g for _, _, g in rows], [s.early_stops for s, _, _ in rows])
         index = [i for _, i, _ in rows]
-        logits = logits.cpu()
         sampled = sample(logits if index == list(range(len(logits))) else logits[index], sampling)  # in order: no copy
         output = StepOutput([], [], [], sampled, votes)
         at, moves = 0, []
@@ -327,6 +332,20 @@ def _group(rows: np.ndarray, starts, counts, offsets, tables: list[np.ndarray], 
                       [keys[w][1] for w in windows], tensor(flat), [tensor(start + count - keys[w][0] * bs) for w in windows],
                       from_start, tensor(votes[rows]) if votes is not None and bool((votes[rows] < count).any()) else None,
                       hidden=None if skips is None else tensor(np.ascontiguousarray(skips)))
+
+
+def _cuda_backend(model: CausalLM, sdpa: SDPABackend, config: EngineConfig, max_model_len: int):
+    """The CUDA backend where the layout is one it attends over in place (else SDPA), and its decode steps' graphs
+    unless enforce_eager."""
+    from kvserve.attention.cuda import CUDABackend
+    from kvserve.engine.cuda_graphs import DecodeGraphs
+
+    if not CUDABackend.supports(sdpa.cache):
+        return sdpa, None
+    backend = CUDABackend(sdpa.cache)
+    if config.enforce_eager:
+        return backend, None
+    return backend, DecodeGraphs(model, backend, config.max_num_seqs, -(-max_model_len // config.block_size))
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: torch.device,

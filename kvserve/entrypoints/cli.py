@@ -56,6 +56,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's output never depends on what shares its steps or how its prompt is chunked "
                              "(GGUF models on the native CPU kernels; long prompts prefill slower)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: run decode steps op by op instead of replaying CUDA graphs of them")
     parser.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -68,7 +70,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         native_kernels=not args.no_native_kernels, matmul_dtype=args.matmul_dtype, kv_cache_dtype=args.kv_cache_dtype,
         cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, kivi_residual=args.kivi_residual,
         kv_policy=args.kv_policy, speculative=args.speculative, batch_invariant=args.batch_invariant, seed=args.seed,
-        kv_tiers=args.kv_tiers,
+        kv_tiers=args.kv_tiers, enforce_eager=args.enforce_eager,
     )
 
 

@@ -1,0 +1,68 @@
+"""Decode steps replayed as CUDA graphs. A decode step launches a few hundred small kernels; issuing them one by
+one from Python keeps the GPU waiting on the host. Each batch size bucket's forward pass is captured once, over
+fixed input buffers (tokens, positions, slots, block tables as wide as the longest sequence allows, context lengths);
+a step copies its inputs in and replays the bucket's graph. Rows past the step's sequences write no K/V (slot -1)
+and attend over nothing."""
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention import ForwardContext, QueryGroup
+from kvserve.attention.cuda import CUDABackend
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, backend: CUDABackend, max_seqs: int, max_blocks: int):
+        self.model, self.backend = model, backend
+        self.sizes = sorted({min(n, max_seqs) for n in (1, 2, 4, 8, *range(16, max_seqs + 16, 16))})
+        size, groups, dev = self.sizes[-1], len(backend.windows), backend.cache.device
+        self.input_ids = torch.zeros(size, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(size, dtype=torch.long, device=dev)
+        self.slots = torch.full((groups, size), -1, dtype=torch.long, device=dev)
+        self.tables = torch.zeros((groups, size, max_blocks), dtype=torch.long, device=dev)
+        self.lens = torch.zeros((groups, size), dtype=torch.long, device=dev)
+        self.rows = torch.arange(size, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> graph, its hidden states
+
+    def fits(self, ctx: ForwardContext) -> bool:
+        """Whether this step is one a graph runs: decodes only, none voting or guessing, in order, within the buffers."""
+        group = ctx.groups[0]
+        return (ctx.backend is self.backend and len(ctx.groups) == 1 and group.is_decode and group.in_order and group.hidden is None
+                and group.score_from is None and ctx.votes is None and len(ctx.positions) <= self.sizes[-1]
+                and max(t.shape[1] for t in group.block_tables) <= self.tables.shape[2])
+
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The step's hidden states [T, hidden], as the model's forward pass would give them."""
+        n, group = len(input_ids), ctx.groups[0]
+        size = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = ctx.positions
+        self.slots[:, :n] = torch.stack(ctx.slot_mappings)
+        self.slots[:, n:size] = -1
+        self.lens[:, :n] = torch.stack(group.context_lens)
+        self.lens[:, n:size] = 0
+        for g, table in enumerate(group.block_tables):
+            self.tables[g, :n, :table.shape[1]] = table
+        graph, hidden = self.graphs.get(size) or self._capture(size)
+        graph.replay()
+        return hidden[:n]
+
+    def context(self, size: int) -> ForwardContext:
+        """The step context over the buffers' first `size` rows: one decode group, in order."""
+        rows = self.rows[:size]
+        group = QueryGroup(rows[:, None], rows, list(self.tables[:, :size]), [None] * len(self.tables), rows, list(self.lens[:, :size]),
+                           in_order=True)
+        return ForwardContext(self.positions[:size], list(self.slots[:, :size]), [group], self.backend)
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        ids, ctx = self.input_ids[:size], self.context(size)
+        stream = torch.cuda.Stream()  # warm up outside the capture (Triton compiles, cuBLAS picks its kernels): this
+        stream.wait_stream(torch.cuda.current_stream())  # step's own K/V at its own slots, written again by the replay
+        with torch.cuda.stream(stream):
+            self.model(ids, ctx)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            hidden = self.model(ids, ctx)
+        self.graphs[size] = graph, hidden
+        return graph, hidden
