@@ -2,6 +2,8 @@
 device setting's errors (they run everywhere)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -224,3 +226,22 @@ def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch
     assert len(logits[0]) == len(logits[1])
     for a, b in zip(*logits):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+def test_cuda_backend_choice_follows_the_layout_triton_and_enforce_eager(tiny_model_dir, tiny_model_dir_d32, monkeypatch):
+    from kvserve.attention.cuda import CUDABackend
+    from kvserve.engine.cuda_graphs import DecodeGraphs
+    from kvserve.engine.model_runner import _cuda_backend
+
+    def choice(path, **options):
+        runner = LLM(str(path), device="cpu", native_kernels=False, num_blocks=16, **options).engine.runner
+        backend, graphs = _cuda_backend(runner.model, runner.sdpa, runner.config, 512)
+        return "sdpa" if backend is runner.sdpa else type(backend).__name__, graphs
+
+    backend, graphs = choice(tiny_model_dir)
+    assert backend == "CUDABackend" and isinstance(graphs, DecodeGraphs) and graphs.tables.shape[2] == 512 // 16
+    assert choice(tiny_model_dir, enforce_eager=True) == ("CUDABackend", None)
+    assert choice(tiny_model_dir_d32, kv_cache_dtype="int8") == ("sdpa", None)  # quantized blocks: SDPA dequantizes them
+    assert CUDABackend.supports(LLM(str(tiny_model_dir), device="cpu", num_blocks=16, dtype="bfloat16").engine.runner.kv_cache)
+    monkeypatch.setitem(sys.modules, "kvserve.attention.cuda", None)  # as if Triton were missing
+    assert choice(tiny_model_dir) == ("sdpa", None)

@@ -335,11 +335,13 @@ def _group(rows: np.ndarray, starts, counts, offsets, tables: list[np.ndarray], 
 
 
 def _cuda_backend(model: CausalLM, sdpa: SDPABackend, config: EngineConfig, max_model_len: int):
-    """The CUDA backend where the layout is one it attends over in place (else SDPA), and its decode steps' graphs
-    unless enforce_eager."""
-    from kvserve.attention.cuda import CUDABackend
-    from kvserve.engine.cuda_graphs import DecodeGraphs
-
+    """The CUDA backend where the layout is one it attends over in place and Triton is installed (else SDPA), and
+    its decode steps' graphs unless enforce_eager."""
+    try:
+        from kvserve.attention.cuda import CUDABackend
+        from kvserve.engine.cuda_graphs import DecodeGraphs
+    except ImportError:  # torch's CUDA builds bring Triton on Linux, not everywhere
+        return sdpa, None
     if not CUDABackend.supports(sdpa.cache):
         return sdpa, None
     backend = CUDABackend(sdpa.cache)
