@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve import LLM, KVServeError
-from tests.conftest import FP32, greedy
+from tests.conftest import FP32, greedy, save_tiny
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
 PROMPTS = [list(range(1, 9)), list(range(40, 97)), [7] * 30, list(range(200, 203))]
@@ -134,15 +134,31 @@ def test_write_slots_casts_and_skips_negative_slots():
     assert int(flat.flatten(1).any(1).sum()) == 4
 
 
-@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_sliding_dir"])
-def test_cuda_backend_decodes_as_sdpa(model, request, monkeypatch):
-    """The in-place decode path gives SDPA's logits at every step (GQA; a sliding KV group beside a full one), with
-    prefill chunks and decodes mixed; on CUDA op by op here (graphs: the next test)."""
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory):
+    """Gemma 3: sliding layers (12 tokens) between global ones, head dim 16, its own query scale."""
+    from tests.test_architectures import GEMMA
+
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    save_tiny(path, "gemma3_text", **GEMMA)
+    return path
+
+
+@pytest.mark.parametrize("model,options", [
+    ("tiny_model_dir", {}),
+    ("tiny_sliding_dir", {}),
+    ("tiny_gemma3_dir", {}),
+    ("tiny_model_dir", dict(kv_policy="streaming:sinks=2,window=16")),  # compacted caches, positions apart from slots
+    ("tiny_model_dir", dict(speculative="ngram:k=3")),  # guesses: a row each, over its own context
+], ids=["llama", "sliding-layer", "gemma3", "streaming", "ngram"])
+def test_cuda_backend_decodes_as_sdpa(model, options, request, monkeypatch):
+    """The in-place decode path gives SDPA's logits at every step, with prefill chunks and decodes mixed; on CUDA
+    op by op here (graphs: the tests below)."""
     from kvserve.attention import cuda
 
     path = str(request.getfixturevalue(model))
-    options = dict(device=DEVICE, num_blocks=64, block_size=4, enable_prefix_caching=False, max_num_batched_tokens=40,
-                   native_kernels=False, enforce_eager=True, **FP32)
+    options = dict(device=DEVICE, num_blocks=160, block_size=4, enable_prefix_caching=False, max_num_batched_tokens=40,
+                   native_kernels=False, enforce_eager=True, **FP32, **options)
     llms = [LLM(path, **options) for _ in range(2)]
     llms[0].engine.runner.backend = llms[0].engine.runner.sdpa
     llms[1].engine.runner.backend = cuda.CUDABackend(llms[1].engine.runner.kv_cache)
@@ -159,6 +175,8 @@ def test_cuda_backend_decodes_as_sdpa(model, request, monkeypatch):
     assert calls and len(logits[0]) == len(logits[1])
     for a, b in zip(*logits):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    if "speculative" in options:
+        assert max(calls) > len(PROMPTS)  # guesses attended in place: more rows than sequences
 
 
 @needs_cuda
