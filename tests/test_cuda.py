@@ -263,3 +263,16 @@ def test_cuda_backend_choice_follows_the_layout_triton_and_enforce_eager(tiny_mo
     assert CUDABackend.supports(LLM(str(tiny_model_dir), device="cpu", num_blocks=16, dtype="bfloat16").engine.runner.kv_cache)
     monkeypatch.setitem(sys.modules, "kvserve.attention.cuda", None)  # as if Triton were missing
     assert choice(tiny_model_dir) == ("sdpa", None)
+
+
+def test_the_startup_line_says_how_cuda_decode_steps_run():
+    from types import SimpleNamespace
+
+    from kvserve.entrypoints.cli import tiers_note
+
+    def note(device, graphs):
+        return tiers_note(SimpleNamespace(tiers=None, runner=SimpleNamespace(device=torch.device(device), graphs=graphs)))
+
+    assert note("cuda", object()) == "; decode steps as CUDA graphs"
+    assert note("cuda", None) == "; decode steps op by op (no CUDA graphs)"
+    assert note("cpu", None) == ""

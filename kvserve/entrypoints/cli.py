@@ -178,7 +178,11 @@ def _read_turns():
 
 
 def tiers_note(engine) -> str:
-    return f"; {engine.tiers.describe()}" if engine.tiers is not None else ""
+    """The startup line's end: the KV tiers, and on CUDA how decode steps run."""
+    note = f"; {engine.tiers.describe()}" if engine.tiers is not None else ""
+    if engine.runner.device.type == "cuda":
+        note += "; decode steps as CUDA graphs" if engine.runner.graphs is not None else "; decode steps op by op (no CUDA graphs)"
+    return note
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
