@@ -98,6 +98,25 @@ def test_a_restart_finds_the_disk_tier_but_another_model_does_not(tiny_model_dir
     assert again.metrics.cached_tokens == 32 and _same(first, again)
     assert _run(_engine(tiny_model_dir_d32, [f"disk:{tmp_path}"]), prompt).metrics.cached_tokens == 0
     assert _run(_engine(tiny_model_dir, [f"disk:{tmp_path}"], dtype="bfloat16"), prompt).metrics.cached_tokens == 0
+    # the matmuls as they ran, not as asked: "auto" shares blocks with "bfloat16" where it means bf16 (this CPU?)
+    _run(_engine(tiny_model_dir, [f"disk:{tmp_path / 'bf16'}"], matmul_dtype="bfloat16"), prompt)
+    auto = _engine(tiny_model_dir, [f"disk:{tmp_path / 'bf16'}"], matmul_dtype="auto")
+    assert _run(auto, prompt).metrics.cached_tokens == (32 if auto.engine.config.bf16_matmuls else 0)
+
+
+def test_a_tier_serves_no_engine_whose_blocks_mean_something_else(tiny_model_dir, tmp_path, monkeypatch):
+    """Blocks of equal size whose bytes mean something else miss: MiniCache merged with another weight, or a
+    kvserve whose block byte layout changed."""
+    from kvserve.kv import cache
+
+    prompt, tier = list(range(7, 40)), [f"disk:{tmp_path}"]
+    merged = dict(kv_policy="minicache:start=0", matmul_dtype="float32")
+    _run(_engine(tiny_model_dir, tier, **merged), prompt)
+    assert _run(_engine(tiny_model_dir, tier, **merged), prompt).metrics.tier_tokens == 32
+    assert _run(_engine(tiny_model_dir, tier, kv_policy="minicache:start=0,t=0.3", matmul_dtype="float32"), prompt).metrics.cached_tokens == 0
+    monkeypatch.setattr(cache, "BLOCK_BYTES_VERSION", cache.BLOCK_BYTES_VERSION + 1)
+    monkeypatch.setattr("kvserve.kv.manager.BLOCK_BYTES_VERSION", cache.BLOCK_BYTES_VERSION)
+    assert _run(_engine(tiny_model_dir, tier, **merged), prompt).metrics.cached_tokens == 0
 
 
 def test_sliding_window_groups_load_only_the_window(tiny_sliding_dir, tmp_path):

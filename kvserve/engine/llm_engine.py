@@ -249,11 +249,13 @@ class LLMEngine:
         return Tiers(config.kv_tiers, self.runner.kv_cache.block_nbytes)
 
     def _salt(self, config: EngineConfig) -> str:
-        """What a block's hash chain starts from: what the cached values depend on besides the tokens (a disk tier
-        outlives the process, so the model file's size and time are in it too)."""
+        """What a block's hash chain starts from: what the cached values depend on besides the tokens (a disk or Redis
+        tier outlives the process and may serve other engines, so the model file's size and time are in it too, and
+        how the matmuls actually ran: "auto" is bf16 on one CPU and fp32 on another)."""
         path = self.checkpoint.path
         stat = path.stat()
-        return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{config.dtype}|{config.matmul_dtype}|{bool(self.runner.native)}"
+        return (f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{config.dtype}|{self.runner.model.describe_matmuls()}|"
+                f"{bool(self.runner.native)}|{config.batch_invariant}")
 
     def _save_to_tiers(self) -> None:
         """Copy the blocks the prefix cache listed this step to the KV tiers (they are full, so they never change)."""

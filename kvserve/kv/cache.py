@@ -14,6 +14,9 @@ from kvserve.kv.policies.minicache import MergedStore
 from kvserve.kv.spec import KVLayout
 
 Store = dict[str, torch.Tensor]  # a format's parts for one layer's K or V
+# How read_blocks lays out a block's bytes. A disk or Redis tier outlives the process and checks only an entry's
+# length and tokens, so a change to that layout must change this number (it is in every prefix hash).
+BLOCK_BYTES_VERSION = 1
 
 
 class KVCache:

@@ -28,6 +28,7 @@ import numpy as np
 from kvserve.engine.sequence import Sequence
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.block_table import NULL
+from kvserve.kv.cache import BLOCK_BYTES_VERSION
 from kvserve.kv.spec import KVLayout
 from kvserve.kv.tiers import Tiers
 
@@ -44,7 +45,8 @@ class KVManager:
         self.pool = BlockPool(num_blocks)
         self.residual = BlockPool(num_residual, first_id=num_blocks) if layout.has_residual else None
         self.enable_prefix_caching = enable_prefix_caching
-        self.salt = f"{salt}|{layout.k_format.name}|{layout.v_format.name}|{layout.block_size}|{layout.residual_tokens}".encode()
+        self.salt = (f"{salt}|{layout.k_format.name}|{layout.v_format.name}|{layout.block_size}|{layout.residual_tokens}|"
+                     f"{layout.merge!r}|{BLOCK_BYTES_VERSION}").encode()
         self.tiers = tiers
         self.saves: list[tuple[int, bytes, tuple[int, ...]]] = []  # (block, key, tokens) registered since the engine last saved
 
