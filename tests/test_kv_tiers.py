@@ -2,6 +2,7 @@
 pool evicted them and after a restart, and never leave a block listed whose values were not loaded."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -102,6 +103,28 @@ def test_a_restart_finds_the_disk_tier_but_another_model_does_not(tiny_model_dir
     _run(_engine(tiny_model_dir, [f"disk:{tmp_path / 'bf16'}"], matmul_dtype="bfloat16"), prompt)
     auto = _engine(tiny_model_dir, [f"disk:{tmp_path / 'bf16'}"], matmul_dtype="auto")
     assert _run(auto, prompt).metrics.cached_tokens == (32 if auto.engine.config.bf16_matmuls else 0)
+
+
+def test_the_tier_names_the_model_by_its_files_contents(tiny_model_dir, tmp_path):
+    """A copy of the model elsewhere (another machine's) shares a tier; the same directory with its weights
+    rewritten in place does not."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    prompt, tier = list(range(7, 40)), [f"disk:{tmp_path / 'tier'}"]
+    first = _run(_engine(tiny_model_dir, tier, matmul_dtype="float32"), prompt)
+    copy = shutil.copytree(tiny_model_dir, tmp_path / "copy")
+    again = _run(_engine(copy, tier, matmul_dtype="float32"), prompt)
+    assert again.metrics.tier_tokens == 32 and _same(first, again)
+    weights = load_file(copy / "model.safetensors")
+    name = next(n for n in weights if "layers.0.self_attn.k_proj" in n)
+    weights[name] = weights[name] * 1.5
+    stat = (copy / "model.safetensors").stat()
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    os.utime(copy / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with its old time
+    changed = _run(_engine(copy, tier, matmul_dtype="float32"), prompt)
+    assert changed.metrics.cached_tokens == 0
 
 
 def test_a_tier_serves_no_engine_whose_blocks_mean_something_else(tiny_model_dir, tmp_path, monkeypatch):

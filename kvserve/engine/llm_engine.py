@@ -20,7 +20,7 @@ from kvserve.kv.policies import UNBOUNDED, KVPolicy, SeqKV, add_votes, parse_pol
 from kvserve.kv.spec import KVLayout, build_layout
 from kvserve.kv.tiers import Tiers
 from kvserve.memory import spec_from_hf_config
-from kvserve.models.loader import open_checkpoint
+from kvserve.models.loader import open_checkpoint, weights_digest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode import depths
@@ -249,13 +249,11 @@ class LLMEngine:
         return Tiers(config.kv_tiers, self.runner.kv_cache.block_nbytes)
 
     def _salt(self, config: EngineConfig) -> str:
-        """What a block's hash chain starts from: what the cached values depend on besides the tokens (a disk or Redis
-        tier outlives the process and may serve other engines, so the model file's size and time are in it too, and
-        how the matmuls actually ran: "auto" is bf16 on one CPU and fp32 on another)."""
-        path = self.checkpoint.path
-        stat = path.stat()
-        return (f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{config.dtype}|{self.runner.model.describe_matmuls()}|"
-                f"{bool(self.runner.native)}|{config.batch_invariant}")
+        """What a block's hash chain starts from: what the cached values depend on besides the tokens. With KV tiers,
+        which outlive the process and may serve other engines, the model is named by its files' contents, and the
+        matmuls by how they ran ("auto" is bf16 on one CPU and fp32 on another)."""
+        model = weights_digest(self.checkpoint) if config.kv_tiers else self.checkpoint.path
+        return f"{model}|{config.dtype}|{self.runner.model.describe_matmuls()}|{bool(self.runner.native)}|{config.batch_invariant}"
 
     def _save_to_tiers(self) -> None:
         """Copy the blocks the prefix cache listed this step to the KV tiers (they are full, so they never change)."""

@@ -1,6 +1,7 @@
 """Load a model argument into a ModelConfig, its weights and its tokenizer."""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,21 @@ def open_checkpoint(model: str) -> Checkpoint:
     except (OSError, json.JSONDecodeError) as e:
         raise KVServeError(f"cannot read {directory / 'config.json'}: {e}") from e
     return Checkpoint(model, path, hf_config, ModelConfig.from_hf(hf_config), _load_tokenizer(directory))
+
+
+def weights_digest(checkpoint: Checkpoint) -> str:
+    """sha256 of the files the model's values come from (a GGUF file; a directory's config.json and safetensors):
+    what names the model to a KV tier that outlives the process or serves other machines, where a path and a
+    time would miss files rewritten in place and copies elsewhere (~0.13 s for SmolLM2's 98 MB)."""
+    path = checkpoint.path
+    files = [path] if path.is_file() else [path / "config.json", *sorted(path.glob("*.safetensors"))]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.name}|{file.stat().st_size}|".encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def load_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor | GGUFTensor]:
