@@ -203,10 +203,11 @@ def test_cuda_graphs_replay_what_eager_steps_compute(model, request):
     torch.testing.assert_close(steps[1], steps[0], atol=1e-4, rtol=1e-4)
 
 
-def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch):
+@pytest.mark.parametrize("speculative", [None, "ngram:k=3"])
+def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch, speculative):
     """The graphs' fixed buffers (bucketed batch sizes, padding rows that write no K/V, block tables as wide as
-    the context window) give what the step's own tensors give; on the CPU each "replay" runs the model over the
-    buffers eagerly (the capture itself: the next test, on CUDA)."""
+    the context window; with guesses, a row a token) give what the step's own tensors give; on the CPU each
+    "replay" runs the model over the buffers eagerly (the capture itself: the next test, on CUDA)."""
     from kvserve.attention.cuda import CUDABackend
     from kvserve.engine.cuda_graphs import DecodeGraphs
 
@@ -224,7 +225,7 @@ def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch
 
     monkeypatch.setattr(DecodeGraphs, "_capture", capture)
     options = dict(device=DEVICE, num_blocks=64, block_size=4, enable_prefix_caching=False, native_kernels=False, enforce_eager=True,
-                   max_num_seqs=20, **FP32)
+                   max_num_seqs=20, speculative=speculative, **FP32)
     prompts = PROMPTS + [list(range(5, 25))]  # 5 sequences, then fewer as the shorter requests finish
     llms = [LLM(str(tiny_sliding_dir), **options) for _ in range(2)]
     llms[0].engine.runner.backend = llms[0].engine.runner.sdpa
@@ -232,6 +233,8 @@ def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch
     runner.backend = CUDABackend(runner.kv_cache)
     runner.graphs = DecodeGraphs(runner.model, runner.backend, 20, 512 // 4)
     assert runner.graphs.sizes == [1, 2, 4, 8, 16, 20]
+    rows, run = [], DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda graphs, ids, ctx: rows.append(len(ids)) or run(graphs, ids, ctx))
     logits = [[], []]
     for llm, steps in zip(llms, logits):
         for i, prompt in enumerate(prompts):
@@ -240,7 +243,10 @@ def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch
             llm.engine.step()
             steps.append(llm.engine.runner.last_logits.cpu())
         assert llm.engine.kv_manager.pool.num_used == 0
-    assert set(runner.graphs.graphs) == {1, 2, 4, 8}
+    if speculative:
+        assert max(rows) > len(prompts)  # the sequences' guesses replayed as rows of their own
+    else:
+        assert set(runner.graphs.graphs) == {1, 2, 4, 8}
     assert len(logits[0]) == len(logits[1])
     for a, b in zip(*logits):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)

@@ -35,7 +35,7 @@ class CUDABackend(SDPABackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, ctx: ForwardContext, scale: float,
                 value_dims: int | None = None) -> torch.Tensor:
         group = ctx.groups[0]
-        if len(ctx.groups) > 1 or not group.in_order or not _in_place(group):  # SDPA's writes, then attend per group
+        if len(ctx.groups) > 1 or not group.in_order or not in_place(group):  # SDPA's writes, then attend per group
             return super().forward(layer, q, k, v, ctx, scale, value_dims)
         g, j = self.cache.slot[layer]
         keys, values = self.cache.k[j]["data"], self.cache.v[j]["data"]
@@ -45,13 +45,13 @@ class CUDABackend(SDPABackend):
 
     def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float, value_dims: int | None = None) -> torch.Tensor:
         """A step's decodes beside prefill chunks attend in place too."""
-        if not _in_place(group):
+        if not in_place(group):
             return super().attend(g, j, q, group, scale, value_dims)
         return paged_decode(q[group.query_index[:, 0]], self.cache.k[j]["data"], self.cache.v[j]["data"], group.block_tables[g],
                             group.context_lens[g], scale, self.windows[g])
 
 
-def _in_place(group: QueryGroup) -> bool:
+def in_place(group: QueryGroup) -> bool:
     """Whether paged_decode serves this group: one query a sequence, none skipping keys (trees) or voting."""
     return group.is_decode and group.hidden is None and group.score_from is None
 

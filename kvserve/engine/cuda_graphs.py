@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention import ForwardContext, QueryGroup
-from kvserve.attention.cuda import CUDABackend
+from kvserve.attention.cuda import CUDABackend, in_place
 
 
 class DecodeGraphs:
@@ -25,11 +25,11 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> graph, its hidden states
 
     def fits(self, ctx: ForwardContext) -> bool:
-        """Whether this step is one a graph runs: decodes only, none voting or guessing, in order, within the buffers."""
+        """Whether this step is one a graph runs: one query row a token, all attending in place (a chain of guesses
+        counts: a row each; trees and votes do not), in order, within the buffers."""
         group = ctx.groups[0]
-        return (ctx.backend is self.backend and len(ctx.groups) == 1 and group.is_decode and group.in_order and group.hidden is None
-                and group.score_from is None and ctx.votes is None and len(ctx.positions) <= self.sizes[-1]
-                and max(t.shape[1] for t in group.block_tables) <= self.tables.shape[2])
+        return (ctx.backend is self.backend and len(ctx.groups) == 1 and in_place(group) and group.in_order and ctx.votes is None
+                and len(ctx.positions) <= self.sizes[-1] and max(t.shape[1] for t in group.block_tables) <= self.tables.shape[2])
 
     def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The step's hidden states [T, hidden], as the model's forward pass would give them."""
