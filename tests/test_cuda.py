@@ -274,10 +274,10 @@ def test_cuda_backend_choice_follows_the_layout_triton_and_enforce_eager(tiny_mo
 def test_the_startup_line_says_how_cuda_decode_steps_run():
     from types import SimpleNamespace
 
-    from kvserve.entrypoints.cli import tiers_note
+    from kvserve.entrypoints.cli import startup_note
 
     def note(device, graphs):
-        return tiers_note(SimpleNamespace(tiers=None, runner=SimpleNamespace(device=torch.device(device), graphs=graphs)))
+        return startup_note(SimpleNamespace(tiers=None, runner=SimpleNamespace(device=torch.device(device), graphs=graphs)))
 
     assert note("cuda", object()) == "; decode steps as CUDA graphs"
     assert note("cuda", None) == "; decode steps op by op (no CUDA graphs)"

@@ -133,7 +133,7 @@ def load_llm(args: argparse.Namespace):
     llm = LLM.from_config(engine_config(args))
     engine = llm.engine
     print(f"kvserve: {args.model} loaded in {time.perf_counter() - started:.1f} s: {engine.runner.model.describe_weights()}; "
-          f"KV pool {engine.kv_usage()['total_bytes'] / 2**20:.0f} MiB ({engine.layout.describe()}){tiers_note(engine)}", file=sys.stderr)
+          f"KV pool {engine.kv_usage()['total_bytes'] / 2**20:.0f} MiB ({engine.layout.describe()}){startup_note(engine)}", file=sys.stderr)
     return llm
 
 
@@ -177,7 +177,7 @@ def _read_turns():
             yield text
 
 
-def tiers_note(engine) -> str:
+def startup_note(engine) -> str:
     """The startup line's end: the KV tiers, and on CUDA how decode steps run."""
     note = f"; {engine.tiers.describe()}" if engine.tiers is not None else ""
     if engine.runner.device.type == "cuda":
@@ -198,7 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     usage = engine.kv_usage()
     draft = f"; the draft's own pool {usage['draft']['total_bytes'] / 2**20:.0f} MiB" if "draft" in usage else ""
     print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} ({engine.runner.model.describe_weights()}; KV pool "
-          f"{usage['total_bytes'] / 2**20:.0f} MiB, {engine.kv_manager.num_blocks} blocks; {engine.layout.describe()}{draft}){tiers_note(engine)}", file=sys.stderr)
+          f"{usage['total_bytes'] / 2**20:.0f} MiB, {engine.kv_manager.num_blocks} blocks; {engine.layout.describe()}{draft}){startup_note(engine)}", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     engine_loop = app.state.server.async_engine
 
