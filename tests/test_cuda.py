@@ -134,6 +134,21 @@ def test_write_slots_casts_and_skips_negative_slots():
     assert int(flat.flatten(1).any(1).sum()) == 4
 
 
+def _assert_same_steps(reference: LLM, llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> None:
+    """Both engines, given these prompts together, take the same steps with the same logits (1e-4) and free every block."""
+    logits = [[], []]
+    for engine, steps in zip((reference.engine, llm.engine), logits):
+        for prompt, n in zip(prompts, max_tokens):
+            engine.add_request(prompt, greedy(n))
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps.append(engine.runner.last_logits.cpu())
+        assert engine.kv_manager.pool.num_used == 0
+    assert len(logits[0]) == len(logits[1])
+    for a, b in zip(*logits):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def tiny_gemma3_dir(tmp_path_factory):
     """Gemma 3: sliding layers (12 tokens) between global ones, head dim 16, its own query scale."""
@@ -164,17 +179,8 @@ def test_cuda_backend_decodes_as_sdpa(model, options, request, monkeypatch):
     llms[1].engine.runner.backend = cuda.CUDABackend(llms[1].engine.runner.kv_cache)
     real, calls = cuda.paged_decode, []
     monkeypatch.setattr(cuda, "paged_decode", lambda *a: calls.append(len(a[0])) or real(*a))
-    logits = [[], []]
-    for llm, steps in zip(llms, logits):
-        for prompt in PROMPTS:
-            llm.engine.add_request(prompt, greedy(8))
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
-            steps.append(llm.engine.runner.last_logits.cpu())
-        assert llm.engine.kv_manager.pool.num_used == 0
-    assert calls and len(logits[0]) == len(logits[1])
-    for a, b in zip(*logits):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    _assert_same_steps(*llms, PROMPTS, [8] * len(PROMPTS))
+    assert calls
     if "speculative" in options:
         assert max(calls) > len(PROMPTS)  # guesses attended in place: more rows than sequences
 
@@ -235,21 +241,11 @@ def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch
     assert runner.graphs.sizes == [1, 2, 4, 8, 16, 20]
     rows, run = [], DecodeGraphs.run
     monkeypatch.setattr(DecodeGraphs, "run", lambda graphs, ids, ctx: rows.append(len(ids)) or run(graphs, ids, ctx))
-    logits = [[], []]
-    for llm, steps in zip(llms, logits):
-        for i, prompt in enumerate(prompts):
-            llm.engine.add_request(prompt, greedy(4 + 3 * i))
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
-            steps.append(llm.engine.runner.last_logits.cpu())
-        assert llm.engine.kv_manager.pool.num_used == 0
+    _assert_same_steps(*llms, prompts, [4 + 3 * i for i in range(len(prompts))])
     if speculative:
         assert max(rows) > len(prompts)  # the sequences' guesses replayed as rows of their own
     else:
         assert set(runner.graphs.graphs) == {1, 2, 4, 8}
-    assert len(logits[0]) == len(logits[1])
-    for a, b in zip(*logits):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
 def test_cuda_backend_choice_follows_the_layout_triton_and_enforce_eager(tiny_model_dir, tiny_model_dir_d32, monkeypatch):
