@@ -1,6 +1,7 @@
 """A KV tier in Redis (`redis://HOST:PORT[/DB]`): blocks under `kvserve:<key>`, shared by every engine that reaches
-the server and runs the same model file (the key's hash chain starts from it). The server bounds it (maxmemory with
-an LRU policy); a server that goes away costs lookups and saves, never a request."""
+the server and runs the same model (the key's hash chain starts from a sha256 of its files, so copies elsewhere
+match). The server bounds it (maxmemory with an LRU policy); a server that goes away costs lookups and saves, never a
+request."""
 from __future__ import annotations
 
 import logging
