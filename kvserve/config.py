@@ -133,7 +133,7 @@ class EngineConfig:
     kv_cache_memory: int | str = "1GiB"
     num_blocks: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None  # tokens a step holds; None: 512 on CPU, 8192 on CUDA (validate sets it)
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     kv_tiers: list[str] = field(default_factory=list)  # KV tiers past the pool, fastest first: "cpu:4GiB", "disk:DIR[:SIZE]"
@@ -166,7 +166,8 @@ class EngineConfig:
             (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),
             (self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}"),
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
-            (self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
             (self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
             (self.preemption_mode in ("recompute", "swap"), f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"),
             (self.scheduler in ("continuous", "static"), f"scheduler must be continuous or static, got {self.scheduler!r}"),
@@ -181,6 +182,8 @@ class EngineConfig:
             if not ok:
                 raise KVServeError(message)
         _check_device(self.device)  # before kv_dtypes, which asks for the device
+        if self.max_num_batched_tokens is None:  # a CPU step's cost grows with its tokens; a GPU's is mostly fixed per step
+            self.max_num_batched_tokens = 8192 if self.torch_device.type == "cuda" else 512
         if "kivi2" in self.kv_dtypes and (self.kivi_residual < 0 or self.kivi_residual % self.block_size):
             raise KVServeError(f"kivi_residual must be a multiple of the block size ({self.block_size}), got {self.kivi_residual}")
         if self.speculative is not None:

@@ -198,14 +198,13 @@ def test_cuda_graphs_replay_what_eager_steps_compute(model, request):
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy(NEW), use_tqdm=False)])
         assert llm.engine.kv_manager.pool.num_used == 0
     assert outputs[0] == outputs[1]
-    assert set(graphs.engine.runner.graphs.graphs) == {8}
+    assert set(graphs.engine.runner.graphs.graphs) == {1, 2, 4, 8, 16, 32, 48, 64}  # all captured at start-up
     steps = []
     for llm in (eager, graphs):
         llm.engine.add_request(prompts[1], greedy(2))
         llm.engine.step()  # the prompt
         llm.engine.step()  # a decode: the bucket of 1
         steps.append(llm.engine.runner.last_logits.cpu())
-    assert set(graphs.engine.runner.graphs.graphs) == {1, 8}
     torch.testing.assert_close(steps[1], steps[0], atol=1e-4, rtol=1e-4)
 
 
@@ -226,8 +225,7 @@ def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch
             self.hidden.copy_(self.run())
 
     def capture(graphs, size):
-        graphs.graphs[size] = (replay := Replay(graphs, size)), replay.hidden
-        return graphs.graphs[size]
+        return (replay := Replay(graphs, size)), replay.hidden
 
     monkeypatch.setattr(DecodeGraphs, "_capture", capture)
     options = dict(device=DEVICE, num_blocks=64, block_size=4, enable_prefix_caching=False, native_kernels=False, enforce_eager=True,
@@ -239,13 +237,16 @@ def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch
     runner.backend = CUDABackend(runner.kv_cache)
     runner.graphs = DecodeGraphs(runner.model, runner.backend, 20, 512 // 4)
     assert runner.graphs.sizes == [1, 2, 4, 8, 16, 20]
+    runner.graphs.capture()  # over the empty buffers: writes no K/V
+    assert set(runner.graphs.graphs) == {1, 2, 4, 8, 16, 20}
+    assert not any(t.any() for store in runner.kv_cache.k + runner.kv_cache.v for t in store.values())
     rows, run = [], DecodeGraphs.run
     monkeypatch.setattr(DecodeGraphs, "run", lambda graphs, ids, ctx: rows.append(len(ids)) or run(graphs, ids, ctx))
     _assert_same_steps(*llms, prompts, [4 + 3 * i for i in range(len(prompts))])
     if speculative:
         assert max(rows) > len(prompts)  # the sequences' guesses replayed as rows of their own
     else:
-        assert set(runner.graphs.graphs) == {1, 2, 4, 8}
+        assert set(rows) == {1, 2, 3, 4, 5}  # the batch shrinking as requests finish: buckets 1, 2, 4 and 8
 
 
 def test_cuda_backend_choice_follows_the_layout_triton_and_enforce_eager(tiny_model_dir, tiny_model_dir_d32, monkeypatch):
@@ -275,6 +276,41 @@ def test_the_startup_line_says_how_cuda_decode_steps_run():
     def note(device, graphs):
         return startup_note(SimpleNamespace(tiers=None, runner=SimpleNamespace(device=torch.device(device), graphs=graphs)))
 
-    assert note("cuda", object()) == "; decode steps as CUDA graphs"
+    assert note("cuda", SimpleNamespace(sizes=[1, 2, 4], capture_seconds=1.234)) == "; decode steps as CUDA graphs (3 batch sizes, captured in 1.2 s)"
     assert note("cuda", None) == "; decode steps op by op (no CUDA graphs)"
     assert note("cpu", None) == ""
+
+
+def test_the_default_step_budget_follows_the_device(monkeypatch):
+    """512 tokens a step on a CPU, 8192 on a GPU (where a step's cost is mostly fixed); an explicit value stays."""
+    from kvserve.config import EngineConfig
+
+    def budget(**options) -> int:
+        config = EngineConfig(**options)
+        config.validate()
+        return config.max_num_batched_tokens
+
+    assert budget(device="cpu") == 512
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert budget() == 8192 and budget(max_num_batched_tokens=64) == 64 and budget(device="cpu") == 512
+
+
+@needs_cuda
+def test_mixed_steps_compile_no_kernel_variant_of_their_own(tiny_sliding_dir, monkeypatch):
+    """The decode kernel compiled when the graphs were captured serves decodes beside prefill chunks too, whatever
+    their block tables' widths and windows: a compile mid-run stalls every request for a second or so."""
+    import triton
+
+    llm = LLM(str(tiny_sliding_dir), device="cuda", num_blocks=64, block_size=4, max_num_batched_tokens=40,
+              enable_prefix_caching=False, **FP32)
+    from kvserve.attention import cuda
+
+    compiled, beside = [], []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda *a, **kw: compiled.append(str(kw.get("repr"))))
+    attend = cuda.CUDABackend.attend
+    monkeypatch.setattr(cuda.CUDABackend, "attend", lambda self, g, j, q, group, *a: beside.append(cuda.in_place(group))
+                        or attend(self, g, j, q, group, *a))
+    prompts = PROMPTS + [list(range(5, 60))]  # chunked over several steps beside the others' decodes
+    llm.generate(prompts, greedy(NEW), use_tqdm=False)
+    assert any(beside)  # decodes attended in place in mixed steps
+    assert not [r for r in compiled if "_paged_decode" in r or "_write_slots" in r], compiled

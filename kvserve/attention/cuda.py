@@ -92,7 +92,10 @@ def _write_slots(x_ptr, cache_ptr, slots_ptr, stride_x, WIDTH: tl.constexpr, WID
     tl.store(cache_ptr + slot * WIDTH + i, x, mask=mask)
 
 
-@triton.jit
+# Triton compiles a variant per class of each int argument (1, a multiple of 16, other): the tables' row stride
+# (their width, the step's longest context) and the window would give a step's decodes beside prefill chunks
+# variants of their own, each compiled mid-run (a second or so) after the graphs' one at start-up.
+@triton.jit(do_not_specialize=["window", "stride_tb"])
 def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale, window,
                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
                   REP: tl.constexpr, REP_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,

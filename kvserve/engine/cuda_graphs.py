@@ -1,9 +1,11 @@
 """Decode steps replayed as CUDA graphs. A decode step launches a few hundred small kernels; issuing them one by
-one from Python keeps the GPU waiting on the host. Each batch size bucket's forward pass is captured once, over
-fixed input buffers (tokens, positions, slots, block tables as wide as the longest sequence allows, context lengths);
+one from Python keeps the GPU waiting on the host. Each batch size bucket's forward pass is captured once, at
+start-up (as vLLM does: no request waits for a capture or a Triton compile), over fixed input buffers (tokens, positions, slots, block tables as wide as the longest sequence allows, context lengths);
 a step copies its inputs in and replays the bucket's graph. Rows past the step's sequences write no K/V (slot -1)
 and attend over nothing."""
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -23,6 +25,15 @@ class DecodeGraphs:
         self.lens = torch.zeros((groups, size), dtype=torch.long, device=dev)
         self.rows = torch.arange(size, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> graph, its hidden states
+        self.capture_seconds = 0.0
+
+    def capture(self) -> None:
+        """Every bucket's graph. The buffers write no K/V (slots -1) and attend over nothing (lengths 0) until a step
+        fills them, so capturing touches no block."""
+        start = time.perf_counter()
+        for size in reversed(self.sizes):
+            self.graphs[size] = self._capture(size)
+        self.capture_seconds = time.perf_counter() - start
 
     def fits(self, ctx: ForwardContext) -> bool:
         """Whether this step is one a graph runs: one query row a token, all attending in place (a chain of guesses
@@ -43,7 +54,7 @@ class DecodeGraphs:
         self.lens[:, n:size] = 0
         for g, table in enumerate(group.block_tables):
             self.tables[g, :n, :table.shape[1]] = table
-        graph, hidden = self.graphs.get(size) or self._capture(size)
+        graph, hidden = self.graphs[size]
         graph.replay()
         return hidden[:n]
 
@@ -56,13 +67,12 @@ class DecodeGraphs:
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         ids, ctx = self.input_ids[:size], self.context(size)
-        stream = torch.cuda.Stream()  # warm up outside the capture (Triton compiles, cuBLAS picks its kernels): this
-        stream.wait_stream(torch.cuda.current_stream())  # step's own K/V at its own slots, written again by the replay
+        stream = torch.cuda.Stream()  # warm up outside the capture: Triton compiles, cuBLAS picks its kernels
+        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.model(ids, ctx)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             hidden = self.model(ids, ctx)
-        self.graphs[size] = graph, hidden
         return graph, hidden

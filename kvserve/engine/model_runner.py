@@ -79,6 +79,8 @@ class ModelRunner:
             self.backend.stack_layers(self.model)
         elif self.device.type == "cuda":
             self.backend, self.graphs = _cuda_backend(self.model, self.sdpa, config, max_model_len)
+            if self.graphs is not None:
+                self.graphs.capture()
         if config.batch_invariant and not self.backend.batch_invariant:
             raise KVServeError("batch_invariant needs a GGUF model's layers stacked on the native CPU kernels with int8 "
                                "activations at every step size (not matmul_dtype=float32, --no-native-kernels, CUDA, "

@@ -25,7 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool size, e.g. 512MiB or 2GiB")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                        help="tokens one step holds (prefill chunks and decodes); default 512 on CPU, 8192 on CUDA")
     parser.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
@@ -180,8 +181,11 @@ def _read_turns():
 def startup_note(engine) -> str:
     """The startup line's end: the KV tiers, and on CUDA how decode steps run."""
     note = f"; {engine.tiers.describe()}" if engine.tiers is not None else ""
-    if engine.runner.device.type == "cuda":
-        note += "; decode steps as CUDA graphs" if engine.runner.graphs is not None else "; decode steps op by op (no CUDA graphs)"
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        note += f"; decode steps as CUDA graphs ({len(graphs.sizes)} batch sizes, captured in {graphs.capture_seconds:.1f} s)"
+    elif engine.runner.device.type == "cuda":
+        note += "; decode steps op by op (no CUDA graphs)"
     return note
 
 
