@@ -1,7 +1,7 @@
 """Offline throughput: kvserve continuous batching vs kvserve static batching vs transformers' padded batch.
 
 64 requests with prompt lengths drawn from 32-512 tokens, 128 new tokens each (greedy, ignore_eos), all
-submitted at once. Prints output tokens/s, p50/p99 time to first token and the share of allocated KV
+submitted at once, after a short warm-up run. Prints output tokens/s, p50/p99 time to first token and the share of allocated KV
 slots that held no token (averaged over steps), then the ratios, all measured in this one run; last, the FLOP/s
 the decode-only steps' matmuls reach, against an fp32 (and, where kvserve uses it, bf16) GEMM timed here.
 
@@ -28,6 +28,7 @@ from kvserve.models.loader import transformers_model
 from kvserve.models.registry import resolve_model_path
 
 DEVICE = EngineConfig().torch_device  # kvserve's default device: transformers runs on the same one
+WARM_UP = 4  # requests each contender runs, 4 new tokens each, before its timed run: first-call costs stay out of it
 
 
 @dataclass
@@ -54,6 +55,7 @@ def gemm_flops(dtype: torch.dtype, n: int = 2048) -> float:
 
 def run_kvserve(name: str, llm: LLM, prompts: list[list[int]], new_tokens: int) -> Result:
     engine = llm.engine
+    llm.generate(prompts[:WARM_UP], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     for prompt in prompts:
@@ -74,16 +76,19 @@ def run_kvserve(name: str, llm: LLM, prompts: list[list[int]], new_tokens: int) 
 
 def run_transformers(path, prompts: list[list[int]], new_tokens: int, batch_size: int, dtype: str) -> Result:
     model = transformers_model(path, getattr(torch, dtype)).to(DEVICE).eval()
-    start, generated = time.perf_counter(), 0
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i:i + batch_size]
-            width = max(map(len, chunk))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=DEVICE)  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=DEVICE)
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-            generated += (out.shape[1] - width) * len(chunk)
+
+    @torch.inference_mode()
+    def generate(chunk: list[list[int]], new: int) -> int:
+        width = max(map(len, chunk))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=DEVICE)  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=DEVICE)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+        return (out.shape[1] - width) * len(chunk)
+
+    generate(prompts[:WARM_UP], 4)
+    start = time.perf_counter()
+    generated = sum(generate(prompts[i:i + batch_size], new_tokens) for i in range(0, len(prompts), batch_size))
     return Result(f"transformers generate ({dtype}, padded)", generated / (time.perf_counter() - start), [], None)
 
 
@@ -100,6 +105,7 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="batch size of all three")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="kvserve's tokens per step (default: the engine's)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="kvserve's")
     parser.add_argument("--transformers-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -112,16 +118,19 @@ def main() -> None:
     if DEVICE.type == "cuda":  # the decode steps op by op too, beside their CUDA graphs
         runs.append(("kvserve continuous, eager", dict(enforce_eager=True)))
     for name, options in runs:
-        llm = LLM(args.model, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, matmul_dtype=args.matmul_dtype, **options)
+        llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=False, matmul_dtype=args.matmul_dtype, **options)
         results.append(run_kvserve(name, llm, prompts, args.new_tokens))
-        bf16, kv, matmuls = llm.engine.config.bf16_matmuls, llm.engine.layout.dtype_name, llm.engine.runner.model.describe_matmuls()
-        del llm
+        engine = llm.engine
+        budget, bf16, kv, matmuls = (engine.config.max_num_batched_tokens, engine.config.bf16_matmuls, engine.layout.dtype_name,
+                                     engine.runner.model.describe_matmuls())
+        del llm, engine
     if not args.skip_transformers:
         results.append(run_transformers(resolve_model_path(args.model), prompts, args.new_tokens, args.max_num_seqs, args.transformers_dtype))
 
     lengths = [len(p) for p in prompts]
     print(f"\n{args.num_requests} requests, prompts {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}), "
-          f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {torch.get_num_threads()} threads, {DEVICE}, "
+          f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {budget} tokens a step, {torch.get_num_threads()} threads, {DEVICE}, "
           f"kvserve matmuls in {matmuls}, KV cache {kv}")
     for r in results:
         ttft = f"TTFT p50 {percentile(r.ttft, 0.5):6.1f} s  p99 {percentile(r.ttft, 0.99):6.1f} s" if r.ttft else "TTFT n/a"
