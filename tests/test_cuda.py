@@ -104,8 +104,10 @@ def _attention_over_gathered_blocks(q, keys, values, tables, lens, scale, window
     (4, 4, 32, 4, 5, torch.float32),  # MHA, a window shorter than a block's span
     (8, 1, 16, 8, None, torch.float16),  # MQA
     (6, 2, 48, 16, 20, torch.bfloat16),  # a head dim that is no power of two
+    (9, 3, 64, 32, 150, torch.float32),  # a window across two tiles
 ])
-def test_paged_decode_equals_attention_over_gathered_blocks(heads, kv_heads, dim, block, window, dtype):
+@pytest.mark.parametrize("span", [0, 128], ids=["whole", "split"])  # split: a program per 128 keys, then combined
+def test_paged_decode_equals_attention_over_gathered_blocks(heads, kv_heads, dim, block, window, dtype, span):
     from kvserve.attention.cuda import paged_decode
 
     torch.manual_seed(0)
@@ -113,14 +115,23 @@ def test_paged_decode_equals_attention_over_gathered_blocks(heads, kv_heads, dim
     tables = torch.stack([torch.randperm(40, device=DEVICE)[:12] for _ in range(5)])
     lens = torch.tensor([1, 17, 12 * block, 3, 6 * block + 1], device=DEVICE)
     q = torch.randn(5, heads, dim, device=DEVICE).to(dtype)
-    out = paged_decode(q, keys, values, tables, lens, 0.3, window)
+    out = paged_decode(q, keys, values, tables, lens, 0.3, window, span)
     assert out.dtype == dtype and out.shape == q.shape
     expected = _attention_over_gathered_blocks(q, keys, values, tables, lens, 0.3, window)
     tolerance = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
     lens[3] = 0  # a CUDA graph's padding row: no keys, zeros, and the other rows unchanged
-    padded = paged_decode(q, keys, values, tables, lens, 0.3, window)
+    padded = paged_decode(q, keys, values, tables, lens, 0.3, window, span)
     assert not padded[3].any() and torch.equal(padded[[0, 1, 2, 4]], out[[0, 1, 2, 4]])
+
+
+def test_decode_splits_long_contexts_where_the_gpu_has_idle_multiprocessors():
+    from kvserve.attention.cuda import SPLIT_KEYS, split_span
+
+    cpu = torch.device("cpu")  # counted as an H100's 132 multiprocessors
+    assert split_span(1, 3, 8192, cpu) == SPLIT_KEYS and split_span(43, 3, 8192, cpu) == SPLIT_KEYS
+    assert split_span(44, 3, 8192, cpu) == 0  # 132 programs fill the GPU
+    assert split_span(1, 3, SPLIT_KEYS, cpu) == 0  # one span: nothing to split
 
 
 def test_write_slots_casts_and_skips_negative_slots():
@@ -198,7 +209,7 @@ def test_cuda_graphs_replay_what_eager_steps_compute(model, request):
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy(NEW), use_tqdm=False)])
         assert llm.engine.kv_manager.pool.num_used == 0
     assert outputs[0] == outputs[1]
-    assert set(graphs.engine.runner.graphs.graphs) == {1, 2, 4, 8, 16, 32, 48, 64}  # all captured at start-up
+    assert {size for size, _ in graphs.engine.runner.graphs.graphs} == {1, 2, 4, 8, 16, 32, 48, 64}  # all captured at start-up
     steps = []
     for llm in (eager, graphs):
         llm.engine.add_request(prompts[1], greedy(2))
@@ -217,20 +228,22 @@ def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch
     from kvserve.engine.cuda_graphs import DecodeGraphs
 
     class Replay:
-        def __init__(self, graphs, size):
-            self.run = lambda: graphs.model(graphs.input_ids[:size], graphs.context(size))
-            self.hidden = self.run()
+        def __init__(self, graphs, size, width):
+            self.run = lambda: graphs.model(graphs.input_ids[:size], graphs.context(size, width))
+            self.hidden, self.width = self.run(), width
 
         def replay(self):
+            replayed.append(self.width)
             self.hidden.copy_(self.run())
 
-    def capture(graphs, size):
-        return (replay := Replay(graphs, size)), replay.hidden
+    def capture(graphs, size, width):
+        return (replay := Replay(graphs, size, width)), replay.hidden
 
     monkeypatch.setattr(DecodeGraphs, "_capture", capture)
-    options = dict(device=DEVICE, num_blocks=64, block_size=4, enable_prefix_caching=False, native_kernels=False, enforce_eager=True,
+    options = dict(device=DEVICE, num_blocks=200, block_size=4, enable_prefix_caching=False, native_kernels=False, enforce_eager=True,
                    max_num_seqs=20, speculative=speculative, **FP32)
-    prompts = PROMPTS + [list(range(5, 25))]  # 5 sequences, then fewer as the shorter requests finish
+    # 6 sequences, then fewer as the shorter requests finish; the first, 268 tokens, splits while it runs
+    prompts = [list(range(1, 250)) + list(range(1, 20))] + PROMPTS + [list(range(5, 25))]
     llms = [LLM(str(tiny_sliding_dir), **options) for _ in range(2)]
     llms[0].engine.runner.backend = llms[0].engine.runner.sdpa
     runner = llms[1].engine.runner
@@ -238,15 +251,17 @@ def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch
     runner.graphs = DecodeGraphs(runner.model, runner.backend, 20, 512 // 4)
     assert runner.graphs.sizes == [1, 2, 4, 8, 16, 20]
     runner.graphs.capture()  # over the empty buffers: writes no K/V
-    assert set(runner.graphs.graphs) == {1, 2, 4, 8, 16, 20}
+    # each bucket twice: tables 512 keys wide (split, at these sizes) and 256 (SPLIT_KEYS, not split)
+    assert set(runner.graphs.graphs) == {(size, width) for size in (1, 2, 4, 8, 16, 20) for width in (128, 64)}
     assert not any(t.any() for store in runner.kv_cache.k + runner.kv_cache.v for t in store.values())
-    rows, run = [], DecodeGraphs.run
+    rows, run, replayed = [], DecodeGraphs.run, []
     monkeypatch.setattr(DecodeGraphs, "run", lambda graphs, ids, ctx: rows.append(len(ids)) or run(graphs, ids, ctx))
     _assert_same_steps(*llms, prompts, [4 + 3 * i for i in range(len(prompts))])
+    assert replayed.index(64) > 0 and set(replayed[replayed.index(64):]) == {64}  # the long one's steps, then the short graphs
     if speculative:
         assert max(rows) > len(prompts)  # the sequences' guesses replayed as rows of their own
     else:
-        assert set(rows) == {1, 2, 3, 4, 5}  # the batch shrinking as requests finish: buckets 1, 2, 4 and 8
+        assert set(rows) == {1, 2, 3, 4, 5, 6}  # the batch shrinking as requests finish: buckets 1, 2, 4 and 8
 
 
 def test_cuda_backend_choice_follows_the_layout_triton_and_enforce_eager(tiny_model_dir, tiny_model_dir_d32, monkeypatch):
@@ -276,7 +291,8 @@ def test_the_startup_line_says_how_cuda_decode_steps_run():
     def note(device, graphs):
         return startup_note(SimpleNamespace(tiers=None, runner=SimpleNamespace(device=torch.device(device), graphs=graphs)))
 
-    assert note("cuda", SimpleNamespace(sizes=[1, 2, 4], capture_seconds=1.234)) == "; decode steps as CUDA graphs (3 batch sizes, captured in 1.2 s)"
+    graphs = SimpleNamespace(sizes=[1, 2, 4], graphs=dict.fromkeys(range(5)), capture_seconds=1.234)
+    assert note("cuda", graphs) == "; decode steps as CUDA graphs (5 for 3 batch sizes, captured in 1.2 s)"
     assert note("cuda", None) == "; decode steps op by op (no CUDA graphs)"
     assert note("cpu", None) == ""
 

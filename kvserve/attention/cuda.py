@@ -1,9 +1,11 @@
 """The CUDA backend: decode queries attend over their blocks in place (a Triton kernel), where SDPA would gather
 every sequence's whole context into a new tensor each layer; in a step of decodes only, the new K/V are written
-at their slots by a second kernel. A chain of guesses counts as decodes (the runner makes each guess a query row
+at their slots by a second kernel. At small batches long contexts are split over programs (flash-decoding). A chain of guesses counts as decodes (the runner makes each guess a query row
 over its own context); prefill chunks, votes, trees and quantized, merged or latent layouts run as SDPA. A
 decode-only step has fixed shapes and no host syncs, so it can be captured as a CUDA graph (engine/cuda_graphs.py)."""
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -18,6 +20,10 @@ from kvserve.kv.formats.full import FloatFormat
 # (a sweep of tiles of 16-128 keys and 1-8 warps, SmolLM2's 9/3 heads, 256 and 2,048 keys, batch 1 and 64): 128
 # keys and 4 warps were fastest everywhere: 1.5-2.3x the speed of 32-key tiles whose products were summed without tl.dot.
 TILE_ELEMENTS = 8192
+# Where a step has fewer (sequence, KV head) pairs than the GPU has multiprocessors, each context is split into
+# spans of SPLIT_KEYS keys, a program each, and a second kernel combines their partial softmaxes (flash-decoding):
+# at batch 1 one program per KV head would read a long context alone while most of the GPU idles.
+SPLIT_KEYS = 256
 
 
 class CUDABackend(SDPABackend):
@@ -65,21 +71,42 @@ def write_slots(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> No
 
 
 def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 scale: float, window: int | None) -> torch.Tensor:
+                 scale: float, window: int | None, span: int | None = None) -> torch.Tensor:
     """One query per sequence, q [B, heads, dim], over the first context_lens[b] keys of its blocks (the last
-    `window` of them where given); keys and values [blocks, block size, kv heads, dim]. Returns [B, heads, dim]."""
+    `window` of them where given); keys and values [blocks, block size, kv heads, dim]. Returns [B, heads, dim].
+    `span`: keys per program, 0 for one program per sequence and KV head; None: split_span's choice."""
     batch, heads, dim = q.shape
     kv_heads = keys.shape[2]
     rep = heads // kv_heads
     dim_p = max(triton.next_power_of_2(dim), 16)
-    assert values.stride() == keys.stride()
+    tile = max(16, min(128, TILE_ELEMENTS // dim_p))
+    max_keys = block_tables.shape[1] * keys.shape[1]
+    span = split_span(batch, kv_heads, max_keys, q.device) if span is None else span
+    splits = -(-max_keys // span) if span else 1
+    assert values.stride() == keys.stride() and span % tile == 0
     out = torch.empty_like(q)
-    _paged_decode[(batch, kv_heads)](
-        q, keys, values, out, block_tables, context_lens, scale, window or 0,
+    parts = torch.empty(batch, heads, splits, dim_p + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
+    _paged_decode[(batch, kv_heads, splits)](
+        q, keys, values, out, parts, block_tables, context_lens, scale, window or 0,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        REP=rep, REP_P=max(triton.next_power_of_2(rep), 16), DIM=dim, DIM_P=dim_p, BLOCK_SIZE=keys.shape[1],
-        TILE=max(16, min(128, TILE_ELEMENTS // dim_p)), num_warps=4)
+        REP=rep, REP_P=max(triton.next_power_of_2(rep), 16), DIM=dim, DIM_P=dim_p, BLOCK_SIZE=keys.shape[1], TILE=tile,
+        SPAN=span if splits > 1 else 0, num_warps=4)
+    if splits > 1:
+        _combine[(batch, heads)](parts, out, splits, out.stride(0), out.stride(1), DIM=dim, DIM_P=dim_p, CHUNK=16)
     return out
+
+
+def split_span(batch: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
+    """Keys per program for a step of `batch` sequences whose tables hold up to max_keys keys: SPLIT_KEYS where
+    one program per (sequence, KV head) would leave multiprocessors idle and a context may span more than that,
+    else 0 (no split)."""
+    return SPLIT_KEYS if max_keys > SPLIT_KEYS and batch * kv_heads < _multiprocessors(device) else 0
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessors; on the CPU (Triton's interpreter: tests) an H100's 132."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 @triton.jit
@@ -96,16 +123,20 @@ def _write_slots(x_ptr, cache_ptr, slots_ptr, stride_x, WIDTH: tl.constexpr, WID
 # (their width, the step's longest context) and the window would give a step's decodes beside prefill chunks
 # variants of their own, each compiled mid-run (a second or so) after the graphs' one at start-up.
 @triton.jit(do_not_specialize=["window", "stride_tb"])
-def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale, window,
+def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, parts_ptr, tables_ptr, lens_ptr, scale, window,
                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
                   REP: tl.constexpr, REP_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
-    # One program per (sequence, KV head): the query heads sharing that KV head (padded to the 16 rows a dot
-    # needs) read each key once. Online softmax over tiles of keys, in fp32 (ieee: no tf32 rounding).
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPAN: tl.constexpr):
+    # One program per (sequence, KV head[, span of SPAN keys]): the query heads sharing that KV head (padded to the
+    # 16 rows a dot needs) read each key once. Online softmax over tiles of keys, in fp32 (ieee: no tf32 rounding).
+    # Split (SPAN > 0), a program leaves its unnormalized sums, running max and total to _combine.
     b = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(lens_ptr + b)
     first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    lo, hi = first // TILE * TILE, length
+    if SPAN > 0:
+        lo, hi = tl.maximum(lo, tl.program_id(2) * SPAN), tl.minimum(hi, (tl.program_id(2) + 1) * SPAN)
     r = tl.arange(0, REP_P)
     d = tl.arange(0, DIM_P)
     heads = h * REP + r
@@ -114,9 +145,9 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale, win
     best = tl.full([REP_P], float("-inf"), tl.float32)
     total = tl.zeros([REP_P], tl.float32)
     acc = tl.zeros([REP_P, DIM_P], tl.float32)
-    for start in range(first // TILE * TILE, length, TILE):
+    for start in range(lo, hi, TILE):
         t = start + tl.arange(0, TILE)
-        valid = (t >= first) & (t < length)
+        valid = (t >= first) & (t < hi)
         block = tl.load(tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         at = block * stride_kb + (t % BLOCK_SIZE) * stride_ks + h * stride_kh
         kv_mask = valid[:, None] & (d < DIM)[None, :]
@@ -130,5 +161,40 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale, win
         v = tl.load(v_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * shrink[:, None] + tl.dot(p, v, input_precision="ieee")
         best = new_best
-    acc = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row (no keys) gives zeros
-    tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=head_mask)
+    if SPAN > 0:  # parts [B, heads, splits, DIM_P + 2]: the sums, then the max and the total
+        row = ((b * tl.num_programs(1) * REP + heads) * tl.num_programs(2) + tl.program_id(2)) * (DIM_P + 2)
+        tl.store(parts_ptr + row[:, None] + d[None, :], acc, mask=(r < REP)[:, None] & (d < DIM_P)[None, :])
+        tl.store(parts_ptr + row + DIM_P, best, mask=r < REP)
+        tl.store(parts_ptr + row + DIM_P + 1, total, mask=r < REP)
+    else:
+        acc = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row (no keys) gives zeros
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=head_mask)
+
+
+@triton.jit(do_not_specialize=["splits"])  # the eager steps' count varies with their longest context
+def _combine(parts_ptr, out_ptr, splits, stride_ot, stride_oh, DIM: tl.constexpr, DIM_P: tl.constexpr, CHUNK: tl.constexpr):
+    # One program per (sequence, query head): the spans' partial softmaxes, rescaled to their common max.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = (b * tl.num_programs(1) + h) * splits
+    d = tl.arange(0, DIM_P)
+    best = tl.full([CHUNK], float("-inf"), tl.float32)
+    for first in range(0, splits, CHUNK):
+        c = first + tl.arange(0, CHUNK)
+        best = tl.maximum(best, tl.load(parts_ptr + (rows + c) * (DIM_P + 2) + DIM_P, mask=c < splits, other=float("-inf")))
+    most = tl.max(best, 0)
+    most = tl.where(most > float("-inf"), most, 0.0)  # no keys anywhere (a padding row): every weight 0
+    acc = tl.zeros([DIM_P], tl.float32)
+    total = tl.zeros([CHUNK], tl.float32)
+    for first in range(0, splits, CHUNK):
+        c = first + tl.arange(0, CHUNK)
+        at = (rows + c) * (DIM_P + 2)
+        part_best = tl.load(parts_ptr + at + DIM_P, mask=c < splits, other=float("-inf"))
+        weight = tl.exp(part_best - most)  # 0 for a span with no keys
+        total += weight * tl.load(parts_ptr + at + DIM_P + 1, mask=c < splits, other=0.0)
+        has_keys = (part_best > float("-inf"))[:, None] & (d < DIM_P)[None, :]
+        sums = tl.load(parts_ptr + at[:, None] + d[None, :], mask=has_keys, other=0.0)
+        acc += tl.sum(weight[:, None] * sums, 0)
+    total_all = tl.sum(total, 0)
+    acc = acc / tl.where(total_all > 0, total_all, 1.0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, acc.to(out_ptr.dtype.element_ty), mask=d < DIM)

@@ -2,7 +2,8 @@
 one from Python keeps the GPU waiting on the host. Each batch size bucket's forward pass is captured once, at
 start-up (as vLLM does: no request waits for a capture or a Triton compile), over fixed input buffers (tokens, positions, slots, block tables as wide as the longest sequence allows, context lengths);
 a step copies its inputs in and replays the bucket's graph. Rows past the step's sequences write no K/V (slot -1)
-and attend over nothing."""
+and attend over nothing. Where the decode kernel would split long contexts (small buckets), a bucket has a second
+graph over tables only SPLIT_KEYS keys wide, which does not split: steps whose contexts all fit replay that one."""
 from __future__ import annotations
 
 import time
@@ -10,7 +11,7 @@ import time
 import torch
 
 from kvserve.attention import ForwardContext, QueryGroup
-from kvserve.attention.cuda import CUDABackend, in_place
+from kvserve.attention.cuda import SPLIT_KEYS, CUDABackend, in_place, split_span
 
 
 class DecodeGraphs:
@@ -24,16 +25,25 @@ class DecodeGraphs:
         self.tables = torch.zeros((groups, size, max_blocks), dtype=torch.long, device=dev)
         self.lens = torch.zeros((groups, size), dtype=torch.long, device=dev)
         self.rows = torch.arange(size, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> graph, its hidden states
+        self.short = min(SPLIT_KEYS // backend.cache.block_size, max_blocks)  # tables' width where no context splits
+        # (batch size, tables' width) -> graph, its hidden states
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
 
     def capture(self) -> None:
-        """Every bucket's graph. The buffers write no K/V (slots -1) and attend over nothing (lengths 0) until a step
+        """Every bucket's graphs. The buffers write no K/V (slots -1) and attend over nothing (lengths 0) until a step
         fills them, so capturing touches no block."""
-        start = time.perf_counter()
+        start, full = time.perf_counter(), self.tables.shape[2]
         for size in reversed(self.sizes):
-            self.graphs[size] = self._capture(size)
+            self.graphs[size, full] = self._capture(size, full)
+            if self.short < full and self._splits(size, full):
+                self.graphs[size, self.short] = self._capture(size, self.short)
         self.capture_seconds = time.perf_counter() - start
+
+    def _splits(self, size: int, width: int) -> bool:
+        """Whether some layer's decode kernel splits contexts at this batch size and tables' width."""
+        cache = self.backend.cache
+        return any(split_span(size, k["data"].shape[2], width * cache.block_size, cache.device) for k in cache.k if k)
 
     def fits(self, ctx: ForwardContext) -> bool:
         """Whether this step is one a graph runs: one query row a token, all attending in place (a chain of guesses
@@ -54,19 +64,20 @@ class DecodeGraphs:
         self.lens[:, n:size] = 0
         for g, table in enumerate(group.block_tables):
             self.tables[g, :n, :table.shape[1]] = table
-        graph, hidden = self.graphs[size]
+        short = max(t.shape[1] for t in group.block_tables) <= self.short
+        graph, hidden = (short and self.graphs.get((size, self.short))) or self.graphs[size, self.tables.shape[2]]
         graph.replay()
         return hidden[:n]
 
-    def context(self, size: int) -> ForwardContext:
-        """The step context over the buffers' first `size` rows: one decode group, in order."""
+    def context(self, size: int, width: int) -> ForwardContext:
+        """The step context over the buffers' first `size` rows and `width` table columns: one decode group, in order."""
         rows = self.rows[:size]
-        group = QueryGroup(rows[:, None], rows, list(self.tables[:, :size]), [None] * len(self.tables), rows, list(self.lens[:, :size]),
+        group = QueryGroup(rows[:, None], rows, list(self.tables[:, :size, :width]), [None] * len(self.tables), rows, list(self.lens[:, :size]),
                            in_order=True)
         return ForwardContext(self.positions[:size], list(self.slots[:, :size]), [group], self.backend)
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        ids, ctx = self.input_ids[:size], self.context(size)
+    def _capture(self, size: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        ids, ctx = self.input_ids[:size], self.context(size, width)
         stream = torch.cuda.Stream()  # warm up outside the capture: Triton compiles, cuBLAS picks its kernels
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
