@@ -212,7 +212,7 @@ def redis_url(tmp_path):
     server.wait(timeout=10)
 
 
-def test_engines_share_a_redis_tier_and_go_on_when_it_is_gone(tiny_model_dir, redis_url):
+def test_engines_share_a_redis_tier_and_go_on_when_it_is_gone(tiny_model_dir, redis_url, monkeypatch):
     url, server = redis_url
     prompt = list(range(9, 50))
     first = _run(_engine(tiny_model_dir, [url]), prompt)
@@ -223,7 +223,19 @@ def test_engines_share_a_redis_tier_and_go_on_when_it_is_gone(tiny_model_dir, re
     gone = _engine(tiny_model_dir, [url])
     server.terminate()  # the server goes away after the engine started: lookups miss, saves are lost
     server.wait(timeout=10)
+    store, calls = gone.engine.tiers.stores[0], []
+    client = store.client
+
+    class Counting:  # each call to a server that is gone could wait out a socket timeout on the engine thread
+        def __getattr__(self, name):
+            method = getattr(client, name)
+            return lambda *args, **kwargs: calls.append(name) or method(*args, **kwargs)
+
+    store.client = Counting()
     after = _run(gone, prompt)
     assert after.metrics.cached_tokens == 0 and _same(first, after)
+    assert len(calls) == 1  # the first failure; the other lookups and saves wait for RETRY_S to pass
+    monkeypatch.setattr("kvserve.kv.tiers.remote.RETRY_S", 0.0)
+    assert store.get(b"x") is None and len(calls) == 2  # then it tries again
     with pytest.raises(KVServeError, match=f"KV tier {url}"):
         _engine(tiny_model_dir, [url])

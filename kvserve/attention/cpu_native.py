@@ -27,7 +27,7 @@ class NativeCPUBackend(SDPABackend):
                        (list(cache.k[j].values()), list(cache.v[j].values()), *codes[:2],
                         list(cache.residual_k[j].values()) if residual else [],
                         list(cache.residual_v[j].values()) if residual else [], codes[2]) for j in range(layout.layers_per_group)]
-        self.windows = [g.spec.window or 0 for g in layout.groups]
+        self.windows = [w or 0 for w in layout.windows]
         written = layout.residual_format if residual else layout.k_format  # the format new tokens land in
         native = lambda f: isinstance(f, FloatFormat | FP8Format) or f in (INT8, INT4)  # noqa: E731  formats the kernel writes itself
         self.writes = native(written) and (residual or native(layout.v_format))

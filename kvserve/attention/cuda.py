@@ -29,7 +29,7 @@ SPLIT_KEYS = 256
 class CUDABackend(SDPABackend):
     def __init__(self, cache: KVCache):
         super().__init__(cache)
-        self.windows = [g.spec.window for g in cache.layout.groups]
+        self.windows = cache.layout.windows
 
     @staticmethod
     def supports(cache: KVCache) -> bool:

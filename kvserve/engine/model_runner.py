@@ -71,7 +71,7 @@ class ModelRunner:
             self.model.fuse_decode_layers()
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
         hugepages.return_freed_memory()
-        self.windows = [g.spec.window for g in layout.groups]  # per KV group: its sliding window, or None
+        self.windows = layout.windows
         self.sdpa = SDPABackend(self.kv_cache)
         self.backend, self.graphs = self.sdpa, None
         if self.native:

@@ -39,7 +39,7 @@ class KVManager:
         """chunk_tokens: the most tokens a step computes for one sequence (a sliding group holds its window
         plus those)."""
         self.layout, self.block_size, self.num_groups = layout, layout.block_size, len(layout.groups)
-        self.windows = [g.spec.window for g in layout.groups]
+        self.windows = layout.windows
         self.sliding = any(self.windows)
         self.chunk_tokens = chunk_tokens
         self.pool = BlockPool(num_blocks)

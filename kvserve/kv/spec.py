@@ -64,6 +64,11 @@ class KVLayout:
         return sum(len(g.layers) for g in self.groups)
 
     @property
+    def windows(self) -> list[int | None]:
+        """Per group: its sliding window, or None (global attention)."""
+        return [g.spec.window for g in self.groups]
+
+    @property
     def has_residual(self) -> bool:
         return not (self.k_format.per_token and self.v_format.per_token)
 

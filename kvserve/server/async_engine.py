@@ -164,7 +164,7 @@ class AsyncEngine:
         """The scheduler's counters and the gauges, as of now."""
         self._flushed = time.perf_counter()
         self.metrics.record_stats(self.engine.scheduler.stats)
-        usage = self.engine.kv_usage()
+        usage = self.engine.kv_manager.usage()  # the pool only: a Redis tier's counts would cost round trips here
         share = usage["used_blocks"] / usage["num_blocks"]
         self.metrics.kv_usage.set(share)
         self.metrics.kv_used_bytes.set(usage["used_bytes"])

@@ -5,11 +5,13 @@ request."""
 from __future__ import annotations
 
 import logging
+import time
 
 from kvserve.errors import KVServeError
 
 log = logging.getLogger("kvserve.tiers")
 PREFIX = b"kvserve:"
+RETRY_S = 5.0  # after a failed call, calls return nothing this long: each would wait out the socket timeout on the engine thread
 
 
 class RedisStore:
@@ -26,7 +28,7 @@ class RedisStore:
             self.client.ping()
         except (ValueError, redis.RedisError) as e:
             raise KVServeError(f"KV tier {url}: {e}") from e
-        self.failing = False
+        self.failing_since: float | None = None
 
     def __str__(self) -> str:
         return self.url
@@ -52,13 +54,16 @@ class RedisStore:
         self._call(self.client.set, PREFIX + key, entry, nx=True)
 
     def _call(self, method, *args, **kwargs):
-        """The call's result, or None where the server failed (said once, until it answers again)."""
+        """The call's result, or None where the server failed (said once, until it answers again) or failed less
+        than RETRY_S ago."""
+        if self.failing_since is not None and time.monotonic() - self.failing_since < RETRY_S:
+            return None
         try:
             result = method(*args, **kwargs)
         except self.errors as e:
-            if not self.failing:
-                log.warning("KV tier %s: %s; going on without it until it answers", self.url, e)
-            self.failing = True
+            if self.failing_since is None:
+                log.warning("KV tier %s: %s; going on without it, trying again every %.0f s", self.url, e, RETRY_S)
+            self.failing_since = time.monotonic()
             return None
-        self.failing = False
+        self.failing_since = None
         return result
