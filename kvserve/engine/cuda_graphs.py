@@ -36,7 +36,7 @@ class DecodeGraphs:
         start, full = time.perf_counter(), self.tables.shape[2]
         for size in reversed(self.sizes):
             self.graphs[size, full] = self._capture(size, full)
-            if self.short < full and self._splits(size, full):
+            if 0 < self.short < full and self._splits(size, full):
                 self.graphs[size, self.short] = self._capture(size, self.short)
         self.capture_seconds = time.perf_counter() - start
 
