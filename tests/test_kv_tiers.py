@@ -215,7 +215,9 @@ def redis_url(tmp_path):
 def test_engines_share_a_redis_tier_and_go_on_when_it_is_gone(tiny_model_dir, redis_url, monkeypatch):
     url, server = redis_url
     prompt = list(range(9, 50))
-    first = _run(_engine(tiny_model_dir, [url]), prompt)
+    saver = _engine(tiny_model_dir, [url])
+    first = _run(saver, prompt)
+    saver.engine.tiers.stores[0].flush()  # its saves went out on a thread of their own
     other = _engine(tiny_model_dir, ["cpu:1MiB", url])  # another engine (a restart, another process): its RAM tier fills from Redis
     again = _run(other, prompt)
     assert again.metrics.cached_tokens == 40 and _same(first, again) and len(other.engine.tiers.stores[0]) == 10
@@ -233,9 +235,41 @@ def test_engines_share_a_redis_tier_and_go_on_when_it_is_gone(tiny_model_dir, re
 
     store.client = Counting()
     after = _run(gone, prompt)
+    store.flush()
     assert after.metrics.cached_tokens == 0 and _same(first, after)
     assert len(calls) == 1  # the first failure; the other lookups and saves wait for RETRY_S to pass
     monkeypatch.setattr("kvserve.kv.tiers.remote.RETRY_S", 0.0)
     assert store.get(b"x") is None and len(calls) == 2  # then it tries again
     with pytest.raises(KVServeError, match=f"KV tier {url}"):
         _engine(tiny_model_dir, [url])
+
+
+def test_redis_saves_go_out_on_a_thread_of_their_own(redis_url):
+    """A save returns before the server has the block (a round trip and its bytes, on the engine's thread each
+    step); until sent, lookups find it anyway; past MAX_UNSENT blocks waiting, saves are dropped."""
+    import threading
+
+    from kvserve.kv.tiers import remote
+
+    store, sent, release = remote.RedisStore(redis_url[0]), [], threading.Event()
+    set_block = store.client.set
+
+    def slow_set(*args, **kwargs):  # a server far away
+        release.wait(10)
+        sent.append(args[0])
+        return set_block(*args, **kwargs)
+
+    store.client.set = slow_set
+    for key in (b"a", b"b"):
+        store.put(key, key * 8)
+    assert not sent and b"a" in store and store.get(b"b") == b"bb" * 4  # not sent yet, found all the same
+    release.set()
+    store.flush()
+    assert sent == [remote.PREFIX + b"a", remote.PREFIX + b"b"] and store.client.get(remote.PREFIX + b"b") == b"bb" * 4
+    release.clear()
+    for i in range(remote.MAX_UNSENT + 5):
+        store.put(b"%d" % i, b"x")
+    assert len(store.unsent) == remote.MAX_UNSENT and bytes(b"%d" % remote.MAX_UNSENT) not in store.unsent
+    release.set()
+    store.flush()
+    assert not store.unsent and store.sender is None
