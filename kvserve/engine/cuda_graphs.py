@@ -11,7 +11,8 @@ import time
 import torch
 
 from kvserve.attention import ForwardContext, QueryGroup
-from kvserve.attention.cuda import SPLIT_KEYS, CUDABackend, in_place, split_span
+from kvserve.attention import cuda
+from kvserve.attention.cuda import CUDABackend, in_place, split_span
 
 
 class DecodeGraphs:
@@ -25,7 +26,7 @@ class DecodeGraphs:
         self.tables = torch.zeros((groups, size, max_blocks), dtype=torch.long, device=dev)
         self.lens = torch.zeros((groups, size), dtype=torch.long, device=dev)
         self.rows = torch.arange(size, device=dev)
-        self.short = min(SPLIT_KEYS // backend.cache.block_size, max_blocks)  # tables' width where no context splits
+        self.short = min(cuda.SPLIT_KEYS // backend.cache.block_size, max_blocks)  # tables' width where no context splits
         # (batch size, tables' width) -> graph, its hidden states
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
