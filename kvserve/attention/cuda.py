@@ -1,8 +1,9 @@
 """The CUDA backend: decode queries attend over their blocks in place (a Triton kernel), where SDPA would gather
 every sequence's whole context into a new tensor each layer; in a step of decodes only, the new K/V are written
-at their slots by a second kernel. At small batches long contexts are split over programs (flash-decoding). A chain of guesses counts as decodes (the runner makes each guess a query row
-over its own context); prefill chunks, votes, trees and quantized, merged or latent layouts run as SDPA. A
-decode-only step has fixed shapes and no host syncs, so it can be captured as a CUDA graph (engine/cuda_graphs.py)."""
+at their slots by a second kernel. At small batches long contexts are split over programs (flash-decoding). A
+chain of guesses counts as decodes (the runner makes each guess a query row over its own context); prefill
+chunks, votes, trees and quantized, merged or latent layouts run as SDPA. A decode-only step has fixed shapes
+and no host syncs, so it can be captured as a CUDA graph (engine/cuda_graphs.py)."""
 from __future__ import annotations
 
 import functools

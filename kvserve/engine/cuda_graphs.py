@@ -1,7 +1,8 @@
 """Decode steps replayed as CUDA graphs. A decode step launches a few hundred small kernels; issuing them one by
 one from Python keeps the GPU waiting on the host. Each batch size bucket's forward pass is captured once, at
-start-up (as vLLM does: no request waits for a capture or a Triton compile), over fixed input buffers (tokens, positions, slots, block tables as wide as the longest sequence allows, context lengths);
-a step copies its inputs in and replays the bucket's graph. Rows past the step's sequences write no K/V (slot -1)
+start-up (as vLLM does: no request waits for a capture or a Triton compile), over fixed input buffers (tokens,
+positions, slots, block tables as wide as the longest sequence allows, context lengths); a step copies its
+inputs in and replays the bucket's graph. Rows past the step's sequences write no K/V (slot -1)
 and attend over nothing. Where the decode kernel would split long contexts (small buckets), a bucket has a second
 graph over tables only SPLIT_KEYS keys wide, which does not split: steps whose contexts all fit replay that one."""
 from __future__ import annotations
@@ -73,8 +74,8 @@ class DecodeGraphs:
     def context(self, size: int, width: int) -> ForwardContext:
         """The step context over the buffers' first `size` rows and `width` table columns: one decode group, in order."""
         rows = self.rows[:size]
-        group = QueryGroup(rows[:, None], rows, list(self.tables[:, :size, :width]), [None] * len(self.tables), rows, list(self.lens[:, :size]),
-                           in_order=True)
+        group = QueryGroup(rows[:, None], rows, list(self.tables[:, :size, :width]), [None] * len(self.tables), rows,
+                           list(self.lens[:, :size]), in_order=True)
         return ForwardContext(self.positions[:size], list(self.slots[:, :size]), [group], self.backend)
 
     def _capture(self, size: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -183,7 +183,8 @@ def startup_note(engine) -> str:
     note = f"; {engine.tiers.describe()}" if engine.tiers is not None else ""
     graphs = engine.runner.graphs
     if graphs is not None:
-        note += f"; decode steps as CUDA graphs ({len(graphs.graphs)} for {len(graphs.sizes)} batch sizes, captured in {graphs.capture_seconds:.1f} s)"
+        note += (f"; decode steps as CUDA graphs ({len(graphs.graphs)} for {len(graphs.sizes)} batch sizes, captured in "
+                 f"{graphs.capture_seconds:.1f} s)")
     elif engine.runner.device.type == "cuda":
         note += "; decode steps op by op (no CUDA graphs)"
     return note
