@@ -22,7 +22,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(args.out)
-    print(f"saved a random {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M-parameter Llama of SmolLM2-135M's shape to {args.out}")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"saved a random {params / 1e6:.0f}M-parameter Llama of SmolLM2-135M's shape to {args.out}")
 
 
 if __name__ == "__main__":
