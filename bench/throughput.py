@@ -1,9 +1,10 @@
 """Offline throughput: kvserve continuous batching vs kvserve static batching vs transformers' padded batch.
 
 64 requests with prompt lengths drawn from 32-512 tokens, 128 new tokens each (greedy, ignore_eos), all
-submitted at once, after a short warm-up run. Prints output tokens/s, p50/p99 time to first token and the share of allocated KV
-slots that held no token (averaged over steps), then the ratios, all measured in this one run; last, the FLOP/s
-the decode-only steps' matmuls reach, against an fp32 (and, where kvserve uses it, bf16) GEMM timed here.
+submitted at once, after a short warm-up run. Prints output tokens/s, p50/p99 time to first token and the share
+of allocated KV slots that held no token (averaged over steps), then the ratios, all measured in this one run;
+last, the FLOP/s the decode-only steps' matmuls reach, against an fp32 (and, where kvserve uses it, bf16) GEMM
+timed here.
 
 kvserve multiplies a GGUF model's packed weights by int8 activations and a dense model's in bf16 where the CPU
 does so natively (matmul_dtype "auto"); `--matmul-dtype float32` and `--transformers-dtype bfloat16` compare like
@@ -130,7 +131,8 @@ def main() -> None:
 
     lengths = [len(p) for p in prompts]
     print(f"\n{args.num_requests} requests, prompts {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}), "
-          f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {budget} tokens a step, {torch.get_num_threads()} threads, {DEVICE}, "
+          f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {budget} tokens a step, {torch.get_num_threads()} threads, "
+          f"{DEVICE}, "
           f"kvserve matmuls in {matmuls}, KV cache {kv}")
     for r in results:
         ttft = f"TTFT p50 {percentile(r.ttft, 0.5):6.1f} s  p99 {percentile(r.ttft, 0.99):6.1f} s" if r.ttft else "TTFT n/a"

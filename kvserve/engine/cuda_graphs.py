@@ -11,8 +11,7 @@ import time
 
 import torch
 
-from kvserve.attention import ForwardContext, QueryGroup
-from kvserve.attention import cuda
+from kvserve.attention import ForwardContext, QueryGroup, cuda
 from kvserve.attention.cuda import CUDABackend, in_place, split_span
 
 
