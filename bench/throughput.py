@@ -15,6 +15,7 @@ with like.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="batch size of all three")
     parser.add_argument("--max-num-batched-tokens", type=int, help="kvserve's tokens per step (default: the engine's)")
+    parser.add_argument("--kv-cache-memory", help="kvserve's KV pool, a size or a share of free memory (default: the engine's)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="kvserve's")
     parser.add_argument("--transformers-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -120,12 +122,14 @@ def main() -> None:
         runs.append(("kvserve continuous, eager", dict(enforce_eager=True)))
     for name, options in runs:
         llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=False, matmul_dtype=args.matmul_dtype, **options)
+                  kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False, matmul_dtype=args.matmul_dtype, **options)
         results.append(run_kvserve(name, llm, prompts, args.new_tokens))
         engine = llm.engine
         budget, bf16, kv, matmuls = (engine.config.max_num_batched_tokens, engine.config.bf16_matmuls, engine.layout.dtype_name,
                                      engine.runner.model.describe_matmuls())
+        pool = f"{engine.kv_usage()['total_bytes'] / 2**30:.1f} GiB ({engine.config.kv_cache_memory})"
         del llm, engine
+        gc.collect()  # the next contender's pool, if a share of free memory, sees this one's memory free again
     if not args.skip_transformers:
         results.append(run_transformers(resolve_model_path(args.model), prompts, args.new_tokens, args.max_num_seqs, args.transformers_dtype))
 
@@ -133,7 +137,7 @@ def main() -> None:
     print(f"\n{args.num_requests} requests, prompts {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}), "
           f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {budget} tokens a step, {torch.get_num_threads()} threads, "
           f"{DEVICE}, "
-          f"kvserve matmuls in {matmuls}, KV cache {kv}")
+          f"kvserve matmuls in {matmuls}, KV cache {kv}, pool {pool}")
     for r in results:
         ttft = f"TTFT p50 {percentile(r.ttft, 0.5):6.1f} s  p99 {percentile(r.ttft, 0.99):6.1f} s" if r.ttft else "TTFT n/a"
         waste = f"KV waste {r.kv_waste * 100:5.1f}%" if r.kv_waste is not None else ""

@@ -107,6 +107,16 @@ def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
     return theta, (None if rope_type == "default" else {**params, "rope_type": rope_type})
 
 
+def memory_share(value: str | int) -> float | None:
+    """'50%' -> 0.5; None for a size in bytes."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            return float(value.strip()[:-1]) / 100
+        except ValueError:
+            raise KVServeError(f"invalid share {value!r}; use a percentage such as 50%") from None
+    return None
+
+
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
@@ -130,7 +140,9 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else CPU
     block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"
+    # The KV pool: bytes ("2GiB") or a share of the memory free once the weights are loaded ("50%");
+    # None: 1GiB on CPU (RAM others use too), 50% on CUDA (validate sets it).
+    kv_cache_memory: int | str | None = None
     num_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # tokens a step holds; None: 512 on CPU, 8192 on CUDA (validate sets it)
@@ -182,8 +194,11 @@ class EngineConfig:
             if not ok:
                 raise KVServeError(message)
         _check_device(self.device)  # before kv_dtypes, which asks for the device
+        cuda = self.torch_device.type == "cuda"
         if self.max_num_batched_tokens is None:  # a CPU step's cost grows with its tokens; a GPU's is mostly fixed per step
-            self.max_num_batched_tokens = 8192 if self.torch_device.type == "cuda" else 512
+            self.max_num_batched_tokens = 8192 if cuda else 512
+        if self.kv_cache_memory is None:
+            self.kv_cache_memory = "50%" if cuda else "1GiB"
         if "kivi2" in self.kv_dtypes and (self.kivi_residual < 0 or self.kivi_residual % self.block_size):
             raise KVServeError(f"kivi_residual must be a multiple of the block size ({self.block_size}), got {self.kivi_residual}")
         if self.speculative is not None:
@@ -194,8 +209,10 @@ class EngineConfig:
                 raise KVServeError("speculative decoding needs the continuous scheduler")
         if self.scheduler == "static" and "kivi2" in self.kv_dtypes:
             raise KVServeError("the static baseline reserves whole requests up front and has no kivi2 residual; use the continuous scheduler")
-        if parse_size(self.kv_cache_memory) <= 0:
-            raise KVServeError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        share = memory_share(self.kv_cache_memory)
+        if (share is None and parse_size(self.kv_cache_memory) <= 0) or (share is not None and not 0 < share <= 1):
+            raise KVServeError(f"kv_cache_memory must be a positive size or a share of free memory in (0%, 100%], "
+                               f"got {self.kv_cache_memory!r}")
 
     @property
     def torch_device(self) -> torch.device:

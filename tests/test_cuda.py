@@ -289,7 +289,8 @@ def test_the_startup_line_says_how_cuda_decode_steps_run():
     from kvserve.entrypoints.cli import startup_note
 
     def note(device, graphs):
-        return startup_note(SimpleNamespace(tiers=None, runner=SimpleNamespace(device=torch.device(device), graphs=graphs)))
+        return startup_note(SimpleNamespace(tiers=None, config=SimpleNamespace(kv_cache_memory="1GiB", num_blocks=None),
+                                            runner=SimpleNamespace(device=torch.device(device), graphs=graphs)))
 
     graphs = SimpleNamespace(sizes=[1, 2, 4], graphs=dict.fromkeys(range(5)), capture_seconds=1.234)
     assert note("cuda", graphs) == "; decode steps as CUDA graphs (5 for 3 batch sizes, captured in 1.2 s)"
@@ -297,18 +298,44 @@ def test_the_startup_line_says_how_cuda_decode_steps_run():
     assert note("cpu", None) == ""
 
 
-def test_the_default_step_budget_follows_the_device(monkeypatch):
-    """512 tokens a step on a CPU, 8192 on a GPU (where a step's cost is mostly fixed); an explicit value stays."""
+def test_the_default_step_budget_and_pool_follow_the_device(monkeypatch):
+    """512 tokens a step on a CPU, 8192 on a GPU (where a step's cost is mostly fixed); a 1 GiB KV pool on a CPU
+    (RAM other programs use too), half the free memory on a GPU; an explicit value stays."""
     from kvserve.config import EngineConfig
 
-    def budget(**options) -> int:
+    def defaults(**options) -> tuple[int, str]:
         config = EngineConfig(**options)
         config.validate()
-        return config.max_num_batched_tokens
+        return config.max_num_batched_tokens, config.kv_cache_memory
 
-    assert budget(device="cpu") == 512
+    assert defaults(device="cpu") == (512, "1GiB")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert budget() == 8192 and budget(max_num_batched_tokens=64) == 64 and budget(device="cpu") == 512
+    assert defaults() == (8192, "50%") and defaults(max_num_batched_tokens=64, kv_cache_memory="2GiB") == (64, "2GiB")
+    assert defaults(device="cpu") == (512, "1GiB")
+
+
+@needs_cuda
+def test_free_cuda_memory_counts_what_torch_holds_unused():
+    from kvserve.kv.cache import free_memory
+
+    device = torch.device("cuda")
+    before = free_memory(device)
+    held = torch.empty(2**30, dtype=torch.uint8, device=device)
+    assert free_memory(device) == pytest.approx(before - 2**30, abs=64 * 2**20)
+    del held  # back to torch's cache, not to the driver: still free for the pool
+    assert torch.cuda.mem_get_info(device)[0] < before - 2**29
+    assert free_memory(device) == pytest.approx(before, abs=64 * 2**20)
+
+
+@needs_cuda
+def test_a_cuda_pool_takes_half_the_memory_free_after_loading(tiny_model_dir, monkeypatch):
+    from kvserve.kv import cache
+
+    monkeypatch.setattr(cache, "free_memory", lambda device: 8 * 2**20 if device.type == "cuda" else 0)
+    engine = LLM(str(tiny_model_dir), device="cuda", **FP32).engine
+    block = engine.layout.block_bytes()
+    assert engine.kv_manager.num_blocks == 4 * 2**20 // block and engine.kv_usage()["total_bytes"] <= 4 * 2**20
+    assert engine.runner.kv_cache.device.type == "cuda"
 
 
 @needs_cuda

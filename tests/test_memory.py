@@ -134,6 +134,42 @@ def test_engine_sizes_its_pool_with_the_planner(tiny_model_dir):
     assert llm.engine.kv_manager.num_blocks == MiB // (8 * per_token)
 
 
+def test_pool_as_a_share_of_the_memory_free_after_loading(tiny_model_dir, monkeypatch):
+    from kvserve import LLM
+    from kvserve.kv import cache
+
+    seen = []
+    monkeypatch.setattr(cache, "free_memory", lambda device: seen.append(device.type) or 10 * MiB)
+    per_token = kv_bytes_per_token(load_spec(str(tiny_model_dir)), "fp32")
+    llm = LLM(str(tiny_model_dir), kv_cache_memory="5%", block_size=8, kv_cache_dtype="float32", device="cpu")
+    assert seen == ["cpu"] and llm.engine.kv_manager.num_blocks == int(0.05 * 10 * MiB) // (8 * per_token)
+    assert llm.engine.kv_usage()["total_bytes"] <= 0.05 * 10 * MiB
+    # no more blocks than max_num_seqs requests of max_model_len tokens fill
+    capped = LLM(str(tiny_model_dir), kv_cache_memory="100%", block_size=8, max_num_seqs=3, max_model_len=100, device="cpu")
+    assert capped.engine.kv_manager.num_blocks == 3 * 13
+    assert "KV pool up to 100% of the memory free after loading" in cli.startup_note(capped.engine)
+    sized = LLM(str(tiny_model_dir), kv_cache_memory="1MiB")
+    assert "of the memory free" not in cli.startup_note(sized.engine)
+
+
+def test_free_memory_reads_the_device():
+    import torch
+
+    from kvserve.kv.cache import free_memory
+
+    assert 0 < free_memory(torch.device("cpu")) < 2**50
+
+
+@pytest.mark.parametrize("value,message", [("0%", "in \\(0%, 100%\\]"), ("150%", "got '150%'"), ("half%", "invalid share 'half%'"),
+                                           ("0", "must be a positive size"), ("lots", "invalid size 'lots'")])
+def test_bad_kv_cache_memory(tiny_model_dir, value, message):
+    from kvserve import LLM
+
+    with pytest.raises(KVServeError, match=message):
+        LLM(str(tiny_model_dir), kv_cache_memory=value)
+    assert cli.main(["generate", "--model", str(tiny_model_dir), "--kv-cache-memory", value, "--prompt", "hi"]) == 2
+
+
 @pytest.mark.parametrize("source,message", [("no-such-model", "is not a preset"), ("bad.json", "cannot read"),
                                             ("empty.json", "lacks a field")])
 def test_bad_configs(tmp_path, monkeypatch, source, message):

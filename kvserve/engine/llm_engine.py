@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import EngineConfig, parse_size
+from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import SerialTokenizer
 from kvserve.engine.model_runner import ModelRunner, StepOutput
 from kvserve.engine.output import OutputProcessor
@@ -17,7 +17,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
 from kvserve.kv.manager import KVManager
 from kvserve.kv.policies import UNBOUNDED, KVPolicy, SeqKV, add_votes, parse_policy
-from kvserve.kv.spec import KVLayout, build_layout
+from kvserve.kv.spec import build_layout
 from kvserve.kv.tiers import Tiers
 from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import open_checkpoint, weights_digest
@@ -56,8 +56,8 @@ class LLMEngine:
         if self.layout.merge and config.speculative:
             raise KVServeError("kv_policy minicache cannot run with speculative decoding: verified guesses would differ from "
                                "tokens decoded one at a time, whose earlier layers already see merged K/V")
-        num_blocks, num_residual = pool_sizes(self.layout, config)
-        self.runner = ModelRunner(self.checkpoint, config, self.max_model_len, self.layout, num_blocks, num_residual)
+        self.runner = ModelRunner(self.checkpoint, config, self.max_model_len, self.layout)
+        num_blocks, num_residual = self.runner.kv_cache.num_blocks, self.runner.kv_cache.num_residual
         self.tiers = self._tiers(config)
         self.kv_manager = KVManager(self.layout, num_blocks, num_residual, config.enable_prefix_caching, salt=self._salt(config),
                                     chunk_tokens=config.max_num_batched_tokens, tiers=self.tiers)
@@ -369,24 +369,3 @@ class LLMEngine:
         if self.tiers is not None:
             usage["tiers"] = self.tiers.usage()
         return usage
-
-
-def pool_sizes(layout: KVLayout, config: EngineConfig) -> tuple[int, int]:
-    """Main and residual blocks. A kivi2 layout sets aside float blocks for its requests' newest tokens (a step's
-    new tokens are all residual until the step ends): enough for max_num_seqs requests, but at most half of
-    kv_cache_memory (a lack of residual blocks then preempts, like a lack of main ones), and never less than one
-    request needs."""
-    budget, num_residual = parse_size(config.kv_cache_memory), 0
-    if layout.has_residual:
-        bs, groups, res_bytes = layout.block_size, len(layout.groups), layout.block_bytes(residual=True)
-        one = (layout.residual_tokens // bs + 2) * groups  # the window and a partial block at each end
-        step = -(-config.max_num_batched_tokens // bs) * groups
-        num_residual = max(one + step, min(config.max_num_seqs * one + step, budget // 2 // res_bytes))
-    if config.num_blocks:
-        return config.num_blocks, num_residual
-    num_blocks = (budget - num_residual * layout.block_bytes(residual=True)) // layout.block_bytes()
-    if num_blocks < len(layout.groups):
-        raise KVServeError(f"kv_cache_memory {config.kv_cache_memory} is smaller than one block per layer group "
-                           f"({layout.block_bytes()} bytes)" + (f" after the kivi2 residual's {num_residual} float blocks "
-                           f"({num_residual * layout.block_bytes(residual=True)} bytes)" if num_residual else ""))
-    return int(num_blocks), num_residual

@@ -16,7 +16,7 @@ from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
 from kvserve.kernels import native_ops
-from kvserve.kv.cache import KVCache
+from kvserve.kv.cache import KVCache, pool_sizes
 from kvserve.kv.spec import KVLayout
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample, score_prompt
 from kvserve.models.base import CausalLM, use_q8_weights
@@ -51,9 +51,10 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, max_model_len: int, layout: KVLayout, num_blocks: int,
-                 num_residual: int = 0, model: torch.nn.Module | None = None, q8_weights: bool = False):
-        """`model`: one already built (a self-speculative draft runs the target's own first layers). `q8_weights`:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, max_model_len: int, layout: KVLayout,
+                 num_blocks: int | None = None, model: torch.nn.Module | None = None, q8_weights: bool = False):
+        """`num_blocks`: the KV pool's; None: kv_cache_memory's, sized once the weights are loaded (pool_sizes).
+        `model`: one already built (a self-speculative draft runs the target's own first layers). `q8_weights`:
         dense linear layers quantized to Q8_0 where the kernels run natively (a draft: its speed matters, not its
         last digit)."""
         self.config, self.device = config, config.torch_device
@@ -69,6 +70,9 @@ class ModelRunner:
             if config.bf16_matmuls:  # after Q8_0: its layers' many-row steps dequantize tiles to bf16 too
                 self.model.use_bf16_matmuls()
             self.model.fuse_decode_layers()
+        num_residual = 0
+        if num_blocks is None:
+            num_blocks, num_residual = pool_sizes(layout, config, max_model_len)
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
         hugepages.return_freed_memory()
         self.windows = layout.windows

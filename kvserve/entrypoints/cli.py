@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, memory_share
 from kvserve.errors import KVServeError
 from kvserve.kv.formats import KV_CACHE_DTYPES
 from kvserve.outputs import RequestOutput
@@ -22,7 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=d.device, help="auto (CUDA when present), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default=d.dtype, help="float32, bfloat16 or float16 (weights and KV cache)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool size, e.g. 512MiB or 2GiB")
+    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool: a size (512MiB, 2GiB) or a share of the memory free once the weights "
+                        "are loaded (50%%); default 1GiB on CPU, 50%% on CUDA")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -179,8 +180,10 @@ def _read_turns():
 
 
 def startup_note(engine) -> str:
-    """The startup line's end: the KV tiers, and on CUDA how decode steps run."""
-    note = f"; {engine.tiers.describe()}" if engine.tiers is not None else ""
+    """The startup line's end: how the KV pool was sized, the KV tiers, and on CUDA how decode steps run."""
+    share = memory_share(engine.config.kv_cache_memory) if not engine.config.num_blocks else None
+    note = f"; KV pool up to {engine.config.kv_cache_memory} of the memory free after loading" if share else ""
+    note += f"; {engine.tiers.describe()}" if engine.tiers is not None else ""
     graphs = engine.runner.graphs
     if graphs is not None:
         note += (f"; decode steps as CUDA graphs ({len(graphs.graphs)} for {len(graphs.sizes)} batch sizes, captured in "

@@ -7,8 +7,12 @@ pack and swap of cached values goes through this class.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from kvserve.config import EngineConfig, memory_share, parse_size
+from kvserve.errors import KVServeError
 from kvserve.kv.formats import KVFormat
 from kvserve.kv.policies.minicache import MergedStore
 from kvserve.kv.spec import KVLayout
@@ -182,3 +186,39 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     copies element by element (140 blocks of SmolLM2's fp16 cache: 8.7 ms as int64, 22-36 ms as bytes)."""
     rows = t.view(t.shape[0], -1).view(torch.uint8)
     return rows.view(torch.int64) if rows.shape[1] % 8 == 0 else rows
+
+
+def pool_sizes(layout: KVLayout, config: EngineConfig, max_model_len: int) -> tuple[int, int]:
+    """Main and residual blocks from kv_cache_memory, once the weights are loaded. A share of free memory gives
+    no more blocks than max_num_seqs requests of max_model_len tokens fill. A kivi2 layout sets aside float blocks
+    for its requests' newest tokens (a step's new tokens are all residual until the step ends): enough for
+    max_num_seqs requests, but at most half the budget (a lack of residual blocks then preempts, like a lack of
+    main ones), and never less than one request needs."""
+    share, num_residual = memory_share(config.kv_cache_memory), 0
+    budget = int(share * free_memory(config.torch_device)) if share else parse_size(config.kv_cache_memory)
+    if layout.has_residual:
+        bs, groups, res_bytes = layout.block_size, len(layout.groups), layout.block_bytes(residual=True)
+        one = (layout.residual_tokens // bs + 2) * groups  # the window and a partial block at each end
+        step = -(-config.max_num_batched_tokens // bs) * groups
+        num_residual = max(one + step, min(config.max_num_seqs * one + step, budget // 2 // res_bytes))
+    if config.num_blocks:
+        return config.num_blocks, num_residual
+    num_blocks = (budget - num_residual * layout.block_bytes(residual=True)) // layout.block_bytes()
+    if share:
+        num_blocks = min(num_blocks, config.max_num_seqs * -(-max_model_len // layout.block_size) * len(layout.groups))
+    if num_blocks < len(layout.groups):
+        raise KVServeError(f"kv_cache_memory {config.kv_cache_memory} ({budget} bytes) is smaller than one block per layer group "
+                           f"({layout.block_bytes()} bytes)" + (f" after the kivi2 residual's {num_residual} float blocks "
+                           f"({num_residual * layout.block_bytes(residual=True)} bytes)" if num_residual else ""))
+    return int(num_blocks), num_residual
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes a new allocation can take on the device: on CUDA the driver's free memory plus what torch's
+    caching allocator holds unused; on CPU the kernel's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise KVServeError("kv_cache_memory as a share needs /proc/meminfo's MemAvailable on CPU; give a size such as 2GiB")
