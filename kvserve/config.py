@@ -152,7 +152,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     scheduler: str = "continuous"
     use_kv_cache: bool = True
-    native_kernels: bool = True  # CPU fp32: kvserve.kernels for decode attention and a GGUF file's own 4/8-bit blocks
+    # CPU fp32: kvserve.kernels for decode attention and a GGUF file's own 4/8-bit blocks; CUDA: Triton RoPE and SiLU-and-mul
+    native_kernels: bool = True
     # float32 models: "bfloat16" keeps the linear layers' weights in bf16 (fp32 activations cast at each matmul,
     # ~4x the FLOP/s on CPUs with AVX512-BF16 or AMX); "auto" does so on such CPUs; both multiply a GGUF file's
     # own blocks by int8-quantized activations (per 32 values, as llama.cpp does); "float32" is fp32 throughout.

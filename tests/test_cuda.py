@@ -145,6 +145,61 @@ def test_write_slots_casts_and_skips_negative_slots():
     assert int(flat.flatten(1).any(1).sum()) == 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_pointwise_ops_equal_torch(dtype):
+    """RoPE in place on q and k viewed in a fused projection's rows, and SiLU-and-mul over more than one block."""
+    import torch.nn.functional as F
+
+    from kvserve.kernels import pointwise_triton as ops
+    from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
+
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    qkv = torch.randn(5, (4 + 2 * 2) * 16, device=DEVICE, dtype=dtype)  # 4 query heads, 2 KV heads of 16
+    q, k, v = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16), qkv[:, 96:].clone()
+    cos, sin = RotaryEmbedding(16, 64, 10000.0, None).to(DEVICE).tables(torch.tensor([0, 1, 9, 30, 63], device=DEVICE), dtype)
+    want = [apply_rotary(t.float(), cos.float(), sin.float()) for t in (q, k)]
+    ops.rope_(q, cos, sin)
+    ops.rope_(k, cos, sin)
+    torch.testing.assert_close(q.float(), want[0], **tol)
+    torch.testing.assert_close(k.float(), want[1], **tol)
+    assert torch.equal(qkv[:, 96:], v)
+    x = torch.randn(3, 2 * 1500, device=DEVICE, dtype=dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x).float(), F.silu(gate) * up, **tol)
+    assert ops.silu_and_mul(x[:0]).shape == (0, 1500)
+
+
+def test_a_model_on_the_triton_pointwise_ops_gives_torch_s_logits(tiny_model_dir, monkeypatch):
+    """What a CUDA runner sets (ModelRunner: use_fused_ops), set after start-up (so op by op: graphs captured
+    before would replay torch's ops): every layer's RoPE and SiLU-and-mul go to the Triton kernels, and each step's
+    logits stay torch's."""
+    from kvserve.kernels import pointwise_triton
+
+    calls = []
+    for name in ("rope_", "silu_and_mul"):
+        real = getattr(pointwise_triton, name)
+        monkeypatch.setattr(pointwise_triton, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    options = dict(device=DEVICE, num_blocks=64, block_size=4, enable_prefix_caching=False, native_kernels=False,
+                   enforce_eager=True, **FP32)
+    reference, llm = LLM(str(tiny_model_dir), **options), LLM(str(tiny_model_dir), **options)
+    llm.engine.runner.model.use_fused_ops(pointwise_triton)
+    _assert_same_steps(reference, llm, PROMPTS, [6] * len(PROMPTS))
+    layers = len(llm.engine.runner.model.layers)
+    assert calls.count("rope_") == 2 * calls.count("silu_and_mul") == 2 * layers * 6  # q and k; six steps
+
+
+@needs_cuda
+def test_cuda_models_run_the_triton_pointwise_ops(tiny_model_dir):
+    from kvserve.kernels import pointwise_triton
+
+    options = dict(device="cuda", num_blocks=64, block_size=4, enable_prefix_caching=False, **FP32)
+    plain, llm = LLM(str(tiny_model_dir), native_kernels=False, **options), LLM(str(tiny_model_dir), **options)
+    layer = llm.engine.runner.model.layers[0]
+    assert layer.self_attn.ops is layer.mlp.ops is layer.input_layernorm.ops is pointwise_triton
+    assert plain.engine.runner.model.layers[0].self_attn.ops is None
+    _assert_same_steps(plain, llm, PROMPTS, [NEW] * len(PROMPTS))
+
+
 def _assert_same_steps(reference: LLM, llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> None:
     """Both engines, given these prompts together, take the same steps with the same logits (1e-4) and free every block."""
     logits = [[], []]

@@ -15,7 +15,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
-from kvserve.kernels import native_ops
+from kvserve.kernels import native_ops, triton_ops
 from kvserve.kv.cache import KVCache, pool_sizes
 from kvserve.kv.spec import KVLayout
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample, score_prompt
@@ -63,10 +63,12 @@ class ModelRunner:
         if model is None:
             self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device, quantized=bool(self.native))
             if self.native:
-                self.model.use_native_kernels(int8_activations=config.matmul_dtype != "float32")
+                self.model.use_fused_ops(native_ops(), int8_activations=config.matmul_dtype != "float32")
                 if q8_weights:
                     use_q8_weights(self.model)
                 gather_on_huge_pages(self.model.quantized_weights())
+            elif self.device.type == "cuda" and config.native_kernels and triton_ops() is not None:
+                self.model.use_fused_ops(triton_ops())
             if config.bf16_matmuls:  # after Q8_0: its layers' many-row steps dequantize tiles to bf16 too
                 self.model.use_bf16_matmuls()
             self.model.fuse_decode_layers()

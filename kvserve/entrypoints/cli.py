@@ -22,8 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=d.device, help="auto (CUDA when present), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default=d.dtype, help="float32, bfloat16 or float16 (weights and KV cache)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool: a size (512MiB, 2GiB) or a share of the memory free once the weights "
-                        "are loaded (50%%); default 1GiB on CPU, 50%% on CUDA")
+    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                        help="KV pool: a size (512MiB, 2GiB) or a share of the memory free once the weights are loaded (50%%); "
+                        "default 1GiB on CPU, 50%% on CUDA")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -35,7 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="continuous batching, or static padded batches (the baseline)")
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
     parser.add_argument("--no-native-kernels", action="store_true",
-                        help="plain torch only: no paged decode-attention kernel, fp32 copies of GGUF weights")
+                        help="plain torch only: no paged decode-attention kernel, fp32 copies of GGUF weights "
+                        "(on CUDA: no Triton RoPE and SiLU-and-mul)")
     parser.add_argument("--matmul-dtype", default=d.matmul_dtype, choices=["auto", "float32", "bfloat16"],
                         help="float32 models: keep the linear layers' weights in bf16 (auto: on CPUs that multiply bf16 natively)")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, metavar="DTYPE",

@@ -21,6 +21,15 @@ SOURCES = ["quant_matmul.cpp", "quant_matmul_avx512.cpp", "decode_layer.cpp", "p
            "pointwise.cpp"]
 
 
+def triton_ops():
+    """kernels/pointwise_triton.py (the pointwise ops for CUDA), or None where Triton is not installed."""
+    try:
+        from kvserve.kernels import pointwise_triton as ops
+    except ImportError:  # torch's CUDA builds bring Triton on Linux, not everywhere
+        return None
+    return ops
+
+
 @functools.cache
 def native_ops():
     """The `torch.ops.kvserve` namespace, or None where the kernels cannot be built (callers use plain torch)."""

@@ -4,13 +4,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import native_ops
 
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dimension (Gemma's 1 + weight is folded into the weight at load)."""
 
-    native = False  # kvserve.kernels' rms_norm: ~10x less overhead per call on a decode step's few rows
+    ops = None  # fused ops (kvserve.kernels: ~10x less overhead per call on a decode step's few rows); None: torch's
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -18,7 +17,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            return native_ops().rms_norm(x, self.weight, self.eps)
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
         weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)  # bf16 autocast (training a draft)
         return F.rms_norm(x, weight.shape, weight, self.eps)

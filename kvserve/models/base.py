@@ -103,16 +103,16 @@ class CausalLM(nn.Module):
                 if module.weight is not None:
                     module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
 
-    def use_native_kernels(self, int8_activations: bool = False) -> None:
-        """Norms, RoPE and SiLU-and-mul use kvserve.kernels; quantized linear layers multiply int8-quantized
-        activations where asked."""
+    def use_fused_ops(self, ops, int8_activations: bool = False) -> None:
+        """Norms, RoPE and SiLU-and-mul call `ops` (kvserve.kernels' on CPU, kernels/pointwise_triton.py on CUDA);
+        quantized linear layers multiply int8-quantized activations where asked."""
         from kvserve.models.llama import MLP, Attention
 
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention)):
-                module.native = True
+                module.ops = ops
             if isinstance(module, MLP):
-                module.native = module.activation == "silu"
+                module.ops = ops if module.activation == "silu" else None
             if isinstance(module, Linear):
                 module.int8_activations = int8_activations
 

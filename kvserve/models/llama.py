@@ -8,7 +8,6 @@ from torch import nn
 
 from kvserve.attention import ForwardContext
 from kvserve.config import ModelConfig
-from kvserve.kernels import native_ops
 from kvserve.layers.linear import Embedding, Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import apply_rotary
@@ -19,7 +18,7 @@ Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # cos and sin of the step's
 
 
 class Attention(nn.Module):
-    native = False  # fp32 on CPU: RoPE by kvserve.kernels
+    ops = None  # RoPE by fused ops: kvserve.kernels on CPU (fp32), kernels/pointwise_triton.py on CUDA; None: torch's
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -40,9 +39,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope[self.rope]
-        if self.native:  # in place on the fused projection's output: one call each instead of six ops
-            native_ops().rope_(q, cos, sin)
-            native_ops().rope_(k, cos, sin)
+        if self.ops is not None:  # in place on the fused projection's output: one call each instead of six ops
+            self.ops.rope_(q, cos, sin)
+            self.ops.rope_(k, cos, sin)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attention(self.layer, q, k, v.view(tokens, self.kv_heads, d), self.scale)
@@ -50,7 +49,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    native = False  # fp32 on CPU with SiLU: kvserve.kernels' silu_and_mul
+    ops = None  # SiLU-and-mul by fused ops (as Attention's), with SiLU
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -60,8 +59,8 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            return self.down_proj(native_ops().silu_and_mul(self.gate_up_proj(x)))
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -96,7 +95,7 @@ class DecoderLayer(nn.Module):
         lets the kernel attend, else two around its attention), where this layer is the Llama one (or Gemma 3's) with
         quantized weights: the same arithmetic, without dozens of Python-dispatched ops."""
         attn, mlp = self.self_attn, self.mlp
-        if type(attn) is not Attention or not attn.native or mlp.activation not in ("silu", "gelu_pytorch_tanh"):
+        if type(attn) is not Attention or attn.ops is None or mlp.activation not in ("silu", "gelu_pytorch_tanh"):
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(m.qweight is None for m in linears) or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:

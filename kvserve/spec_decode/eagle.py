@@ -36,7 +36,7 @@ CONFIG, WEIGHTS = "eagle.json", "eagle.safetensors"
 class FeatureDraft(nn.Module):
     """The target's next hidden state from its current one and the embedding of the token sampled from it."""
 
-    native = False  # kvserve.kernels' silu_and_mul (its norms are told apart)
+    ops = None  # kvserve.kernels for silu_and_mul (its norms are told apart); None: torch's
 
     def __init__(self, hidden_size: int, intermediate_size: int, rms_norm_eps: float, depth: int = 1):
         """`depth`: how many steps ahead it was trained on its own predictions (its proposer's default k)."""
@@ -51,8 +51,8 @@ class FeatureDraft(nn.Module):
     def forward(self, embedded: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         x = self.fc(torch.cat([embedded, features], dim=-1))
         gate_up = self.gate_up_proj(self.norm(x))
-        if self.native:
-            act = native_ops().silu_and_mul(gate_up)
+        if self.ops is not None:
+            act = self.ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
@@ -62,7 +62,7 @@ class FeatureDraft(nn.Module):
         """Q8_0 weights, native norms and activation (a draft's speed matters, not its last digit); int8 activations
         as the target's (the block's step: 145 us with fp32 activations, 62 with int8 on a 2-core Zen 5)."""
         use_q8_weights(self)
-        self.native = self.norm.native = self.out_norm.native = True
+        self.ops = self.norm.ops = self.out_norm.ops = native_ops()
         for linear in (self.fc, self.gate_up_proj, self.down_proj):
             linear.int8_activations = int8_activations
 
@@ -71,7 +71,7 @@ class FeatureDraft(nn.Module):
         (kernels/decode_layer.cpp: FeatureDraft), where all three are packed and the embedding is plain rows (Gemma
         scales its); else None."""
         linears, embed = (self.fc, self.gate_up_proj, self.down_proj, head.head), target.embed_tokens
-        if (not self.native or type(target).embed is not CausalLM.embed or embed.qweight is None or len(embed.qweight.parts) != 1
+        if (self.ops is None or type(target).embed is not CausalLM.embed or embed.qweight is None or len(embed.qweight.parts) != 1
                 or any(m.qweight is None for m in linears) or len({m.int8_activations for m in linears}) > 1):
             return None
         fc, gate_up, down, head_rows = (m.qweight.kernel_args for m in linears)
