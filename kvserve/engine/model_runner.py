@@ -67,8 +67,8 @@ class ModelRunner:
                 if q8_weights:
                     use_q8_weights(self.model)
                 gather_on_huge_pages(self.model.quantized_weights())
-            elif self.device.type == "cuda" and config.native_kernels and triton_ops() is not None:
-                self.model.use_fused_ops(triton_ops())
+            elif self.device.type == "cuda" and config.native_kernels:
+                self.model.use_fused_ops(triton_ops())  # None without Triton: torch's ops
             if config.bf16_matmuls:  # after Q8_0: its layers' many-row steps dequantize tiles to bf16 too
                 self.model.use_bf16_matmuls()
             self.model.fuse_decode_layers()

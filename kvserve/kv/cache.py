@@ -194,6 +194,8 @@ def pool_sizes(layout: KVLayout, config: EngineConfig, max_model_len: int) -> tu
     for its requests' newest tokens (a step's new tokens are all residual until the step ends): enough for
     max_num_seqs requests, but at most half the budget (a lack of residual blocks then preempts, like a lack of
     main ones), and never less than one request needs."""
+    if config.num_blocks and not layout.has_residual:  # no budget to read (nor free memory to measure)
+        return config.num_blocks, 0
     share, num_residual = memory_share(config.kv_cache_memory), 0
     budget = int(share * free_memory(config.torch_device)) if share else parse_size(config.kv_cache_memory)
     if layout.has_residual:
