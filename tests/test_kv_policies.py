@@ -227,6 +227,25 @@ def test_shared_prefix_blocks_are_never_overwritten(tiny_model_dir):
     assert again.metrics.cached_tokens > 0 and again.outputs[0].token_ids == base
 
 
+@pytest.mark.parametrize("policy", ["streaming:sinks=2,window=8", "h2o:budget=0.5", "snapkv:budget=8,window=4,kernel=3"])
+def test_what_a_request_keeps_does_not_depend_on_what_shares_its_steps(tiny_model_dir, policy):
+    """Alone, a 45-token prompt is read in 16-token chunks and evicts where each ends; beside requests that take part of
+    each step's budget (and a prefix cached by a plain request) its chunks end elsewhere, yet it evicts at the same
+    places and reuses no more of the prefix than it computes alike, so its greedy tokens are the same."""
+    prompt, params = PROMPT[:45], greedy(12, kv_policy=policy)
+    alone = engine(tiny_model_dir, None, max_num_batched_tokens=16).generate([prompt], params, use_tqdm=False)[0]
+    llm = engine(tiny_model_dir, None, max_num_batched_tokens=16)
+    llm.generate([prompt[:44]], greedy(1), use_tqdm=False)  # cached, for every policy's prefix lookup
+    others = [[(i * 13 + 7) % 250 + 1 for i in range(n)] for n in (5, 9, 23)]
+    outs = llm.generate(others + [prompt], [greedy(20)] * 3 + [params], use_tqdm=False)
+    assert alone.metrics.num_evicted_tokens > 0
+    assert outs[-1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert outs[-1].metrics.num_evicted_tokens == alone.metrics.num_evicted_tokens
+    reusable = parse_policy(policy).reusable_prefix(len(prompt), 16, 4)
+    assert outs[-1].metrics.cached_tokens == reusable // 4 * 4  # 12 (first eviction at 16), 0 (h2o: every query votes), 40
+    assert llm.engine.kv_manager.pool.num_used == 0
+
+
 @pytest.mark.parametrize("policy, message", [
     ("h2o:budget=0", "budget must be > 0"), ("snapkv:budget=0", "budget must be > 0"),
     ("streaming:sinks=8,window=4", "sinks .8. must not be larger than the window"),

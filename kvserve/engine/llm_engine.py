@@ -271,6 +271,8 @@ class LLMEngine:
                 continue
             if seq in votes:
                 seq.kv_votes = add_votes(seq.kv_votes, votes[seq][..., :seq.num_slots])
+            if seq.num_computed_tokens < seq.num_prompt_tokens and seq.num_computed_tokens % self.config.max_num_batched_tokens:
+                continue  # within one of its prompt's chunks (Scheduler._chunk)
             keep = policy.keep(SeqKV(seq.num_prompt_tokens, seq.num_computed_tokens, seq.num_slots, self.config.block_size), seq.kv_votes)
             if not policy.decode_votes and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 seq.kv_votes = None

@@ -121,11 +121,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted to make room for an older one
                 continue
-            n = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
+            n = min(self._chunk(seq, budget) + len(seq.draft_token_ids), budget)
             del seq.draft_token_ids[max(0, n - seq.num_uncomputed_tokens):]  # the guesses the budget leaves room for
             while not self.kv.allocate_slots(seq, n):
                 if seq.draft_token_ids:  # guesses never cost another request its blocks
-                    seq.draft_token_ids, n = [], min(seq.num_uncomputed_tokens, budget)
+                    seq.draft_token_ids, n = [], self._chunk(seq, budget)
                     continue
                 victim, preempted = self.running[-1], True
                 if victim in batch.seqs:
@@ -139,6 +139,15 @@ class Scheduler:
         if not preempted:  # admitting now would only take blocks the running ones just lacked
             self._admit_waiting(batch, budget)
         return batch
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes this step, guesses aside. A KV policy's request computes its prompt in the chunks it
+        would get alone (max_num_batched_tokens each; a step may hold part of one) and evicts only where they end,
+        so what it keeps, and so what it generates, never depends on the requests that share its steps."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        if seq.policy is None:
+            return n
+        return min(n, self.config.max_num_batched_tokens - seq.num_computed_tokens % self.config.max_num_batched_tokens)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
@@ -157,7 +166,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not self._allocate_admitted(seq, budget, batch):
                 break
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._chunk(seq, budget)
             self.waiting.popleft()
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
@@ -172,13 +181,13 @@ class Scheduler:
             block_ids = kv.swap_in(seq)
             if block_ids is None:
                 return False
-            if not kv.allocate_slots(seq, min(seq.num_uncomputed_tokens, budget)):
+            if not kv.allocate_slots(seq, self._chunk(seq, budget)):
                 kv.swap_out(seq)  # undo: the saved values stay where they are
                 return False
             batch.swap_in.append((seq, block_ids))
             return True
         cached, from_tiers = kv.allocate_cached_prefix(seq)
-        if not kv.can_hold_prompt(seq) or not kv.allocate_slots(seq, min(seq.num_uncomputed_tokens, budget)):
+        if not kv.can_hold_prompt(seq) or not kv.allocate_slots(seq, self._chunk(seq, budget)):
             kv.free(seq)
             seq.forget_kv()
             return False

@@ -118,11 +118,14 @@ class KVManager:
 
     def _longest_hit(self, seq: Sequence, cached) -> int:
         """Leading blocks every full group has cached (`cached(group, block)`), but never the last token's (it is
-        computed, for its logits), fewer until each sliding group has the window's blocks before the first token
-        left to compute."""
+        computed, for its logits) nor past what the sequence's KV policy may reuse, fewer until each sliding group
+        has the window's blocks before the first token left to compute."""
         full_groups = [g for g, w in enumerate(self.windows) if w is None]
+        last = seq.num_tokens - 1
+        if seq.policy is not None:
+            last = min(last, seq.policy.reusable_prefix(seq.num_prompt_tokens, self.chunk_tokens, self.block_size))
         hit = 0
-        while hit < (seq.num_tokens - 1) // self.block_size and all(cached(g, hit) for g in full_groups):
+        while hit < last // self.block_size and all(cached(g, hit) for g in full_groups):
             hit += 1
         while hit and not all(cached(g, i) for g, w in enumerate(self.windows) if w for i in range(self._first_needed(hit * self.block_size, w), hit)):
             hit -= 1

@@ -60,6 +60,13 @@ class KVPolicy:
         """Tokens a request of `num_tokens` tokens (all prompt, for a policy that compresses prompts) keeps cached."""
         return num_tokens
 
+    def reusable_prefix(self, num_prompt: int, chunk: int, block_size: int) -> int:
+        """The most leading tokens of a prompt a cached prefix may stand for: fewer than the request computes before
+        it can first evict (an eviction follows a step that computes; whatever policy, if any, cached the others,
+        their K/V are the same), none from its first voting query on (a cached token casts no vote). Evictions come
+        where the prompt's `chunk`-token chunks end (Scheduler._chunk)."""
+        return 0
+
     def max_slots(self, num_tokens: int, chunk: int, block_size: int) -> int:
         """The most slots a request of `num_tokens` tokens holds at once: what it keeps, up to a block more (evictions
         come a block at a time), and a step's `chunk` of new tokens before it evicts."""

@@ -46,5 +46,8 @@ class SnapKV(KVPolicy):
     def held(self, num_tokens: int) -> int:
         return min(num_tokens, max(budget_tokens(self.budget, num_tokens), self.window))
 
+    def reusable_prefix(self, num_prompt: int, chunk: int, block_size: int) -> int:
+        return max(0, num_prompt - self.window)  # it evicts once the prompt is computed
+
     def max_slots(self, num_tokens: int, chunk: int, block_size: int) -> int:
         return num_tokens  # the prompt is whole until its last chunk is computed

@@ -35,3 +35,7 @@ class Streaming(KVPolicy):
 
     def held(self, num_tokens: int) -> int:
         return min(num_tokens, self.sinks + self.window)
+
+    def reusable_prefix(self, num_prompt: int, chunk: int, block_size: int) -> int:
+        first = self.sinks + self.window + block_size  # the fewest slots `keep` evicts from
+        return -(-first // chunk) * chunk - 1  # the step that ends at the first eviction is computed
