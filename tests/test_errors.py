@@ -81,6 +81,8 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
      "kivi_residual must be a multiple of the block size (16), got 100"),
     (["distill", "--mlp", "-1"], "--mlp must be >= 0, got -1"),
     (["distill", "--eagle", "--depth", "0"], "--depth must be 1..8, got 0"),
+    (["serve", "--port", "99999"], "--port must be in [1, 65535], got 99999"),  # uvloop bound 34463 and said nothing
+    (["eval", "--passkey-trials", "0"], "eval's passkey_trials (--passkey-trials) must be >= 1, got 0"),  # was a KeyError
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
     """One error line, no traceback (an error found after loading follows the startup line)."""

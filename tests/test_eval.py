@@ -113,7 +113,9 @@ def test_bad_values_text_and_context(tmp_path):
         run_eval(EvalSettings(compare=["kv_cache_dtype=int3"], base="kv_cache_dtype=int3"), progress=False)
     short = tmp_path / "short.txt"
     short.write_text("Too short to fill a window.")
-    with pytest.raises(KVServeError, match="fewer than one window of 2048"):
+    with pytest.raises(KVServeError, match=r"(\d+) tokens to score \(--tokens 8192; the text has \1\) hold no window of --context 2048"):
         run_eval(EvalSettings(text=str(short)), progress=False)
+    with pytest.raises(KVServeError, match=r"100 tokens to score \(--tokens 100; the text has \d+\) hold no window of --context 2048"):
+        run_eval(EvalSettings(tokens=100), progress=False)
     with pytest.raises(KVServeError, match="context 9000 is longer than the model's window of 8192 tokens"):
         run_eval(EvalSettings(context=9000), progress=False)

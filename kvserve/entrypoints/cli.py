@@ -203,6 +203,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if args.max_waiting < 1:
         raise KVServeError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if not 1 <= args.port <= 65535:  # uvloop would bind the port modulo 65536 and say nothing
+        raise KVServeError(f"--port must be in [1, 65535], got {args.port}")
     engine = LLMEngine(engine_config(args))
     app = create_app(engine, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting)
     usage = engine.kv_usage()

@@ -41,6 +41,11 @@ class EvalSettings:
     decode_tokens: int = 32
     seed: int = 0
 
+    def validate(self) -> None:
+        for name in ("context", "chunk", "tokens", "passkey_trials", "decode_tokens"):
+            if getattr(self, name) < 1:
+                raise KVServeError(f"eval's {name} (--{name.replace('_', '-')}) must be >= 1, got {getattr(self, name)}")
+
 
 def parse_options(text: str) -> dict:
     """'kv_cache_dtype=int8,kivi_residual=64' -> engine keywords, typed like EngineConfig's fields. A value of the form
@@ -78,6 +83,7 @@ def _typed(name: str, value: str, kind: str):
 
 def run_eval(settings: EvalSettings, progress: bool = True) -> dict:
     """Every measurement for the baseline and each option set, as a JSON-ready dict."""
+    settings.validate()
     base = parse_options(settings.base)
     runs = {"baseline": base} | {name: {**base, **parse_options(name)} for name in settings.compare}
     first = _engine(settings, base)  # validates the model and the context before any long work
@@ -87,7 +93,8 @@ def run_eval(settings: EvalSettings, progress: bool = True) -> dict:
     ids = first.engine.tokenize(load_text(settings.text))
     windows = [ids[i:i + settings.context] for i in range(0, min(len(ids), settings.tokens) - settings.context + 1, settings.context)]
     if not windows:
-        raise KVServeError(f"the text has {len(ids)} tokens, fewer than one window of {settings.context}")
+        raise KVServeError(f"{min(len(ids), settings.tokens)} tokens to score (--tokens {settings.tokens}; the text has {len(ids)}) "
+                           f"hold no window of --context {settings.context}")
     lengths = settings.passkey_lengths or [settings.context // 4, settings.context // 2, settings.context]
     if max(lengths) > max_len:
         raise KVServeError(f"passkey length {max(lengths)} is longer than the model's window of {max_len} tokens")
