@@ -83,6 +83,11 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
     (["distill", "--eagle", "--depth", "0"], "--depth must be 1..8, got 0"),
     (["serve", "--port", "99999"], "--port must be in [1, 65535], got 99999"),  # uvloop bound 34463 and said nothing
     (["eval", "--passkey-trials", "0"], "eval's passkey_trials (--passkey-trials) must be >= 1, got 0"),  # was a KeyError
+    (["distill", "--steps", "0"], "--steps must be >= 1, got 0"),  # was a ZeroDivisionError
+    (["distill", "--seq-len", "1"], "--seq-len must be >= 2, got 1"),  # was an AttributeError
+    (["distill", "--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["memory", "smollm2-135m", "--num-devices", "0"], "num_devices must be >= 1, got 0"),  # was planned
+    (["memory", "smollm2-135m", "--bandwidth", "0"], "a device needs FLOP/s and bandwidth > 0, got 9.89e+14 and 0"),  # was the H100's
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
     """One error line, no traceback (an error found after loading follows the startup line)."""

@@ -272,8 +272,9 @@ def cmd_memory(args: argparse.Namespace) -> None:
     if args.device not in DEVICES:
         raise KVServeError(f"unknown device {args.device!r}; choose from {', '.join(DEVICES)} or pass --flops and --bandwidth")
     base = DEVICES[args.device]
-    device = Device(base.name if not (args.flops or args.bandwidth) else "custom", base.memory,
-                    args.flops or base.flops, args.bandwidth or base.bandwidth)
+    custom = args.flops is not None or args.bandwidth is not None
+    device = Device("custom" if custom else base.name, base.memory, base.flops if args.flops is None else args.flops,
+                    base.bandwidth if args.bandwidth is None else args.bandwidth)
     spec = load_spec(args.model)
     request = PlanRequest(
         dtypes=args.kv_dtype or PlanRequest().dtypes, contexts=args.contexts, batches=args.batch,

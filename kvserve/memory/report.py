@@ -27,6 +27,12 @@ class PlanRequest:
 
 
 def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
+    checks = [(req.num_devices >= 1, f"num_devices must be >= 1, got {req.num_devices}"),
+              (1 <= req.weight_bits <= 32, f"weight_bits must be in 1..32, got {req.weight_bits}"),
+              (device.flops > 0 and device.bandwidth > 0, f"a device needs FLOP/s and bandwidth > 0, got {device.flops:g} and {device.bandwidth:g}")]
+    for ok, message in checks:
+        if not ok:
+            raise KVServeError(message)
     unsupported = {}  # dtypes this model's layout cannot take (kivi2 with sliding windows or MLA): left out, with why
     for name in req.dtypes:
         try:

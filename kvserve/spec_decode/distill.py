@@ -76,9 +76,12 @@ class Text:
 def distill(settings: DistillSettings, token_ids: list[int] | None = None, progress: bool = True) -> dict:
     """Prune and distill (or with `eagle`, train a feature draft) and save; returns the report (losses,
     perplexity and KL before and after, acceptance)."""
-    for name in ("answers", "vocab", "mlp"):
-        if getattr(settings, name) < 0:
-            raise KVServeError(f"--{name} must be >= 0, got {getattr(settings, name)}")
+    for name, low in (("answers", 0), ("vocab", 0), ("mlp", 0), ("steps", 1), ("batch", 1), ("seq_len", 2)):
+        if getattr(settings, name) < low:
+            raise KVServeError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(settings, name)}")
+    for name in ("lr", "temperature"):
+        if not 0 < getattr(settings, name) < math.inf:
+            raise KVServeError(f"--{name} must be > 0, got {getattr(settings, name)}")
     if not 1 <= settings.depth <= 8:
         raise KVServeError(f"--depth must be 1..8, got {settings.depth}")
     if settings.answers and settings.text:
