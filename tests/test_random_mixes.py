@@ -53,24 +53,15 @@ def run(llm: LLM, mix, abort_at: dict[int, str] | None = None) -> dict[str, list
     return done
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tests.conftest import save_tiny_llama
-
-    path = tmp_path_factory.mktemp("tiny-d32")
-    save_tiny_llama(path, head_dim=32)
-    return path
-
-
 @pytest.mark.parametrize("name", SETTINGS)
 @pytest.mark.parametrize("seed", range(4))
-def test_a_random_mix_equals_each_request_alone(model_dir, name, seed):
+def test_a_random_mix_equals_each_request_alone(tiny_model_dir_d32, name, seed):
     settings = SETTINGS[name]
     rng = random.Random(seed)
     common = dict(block_size=4, max_model_len=128, max_num_batched_tokens=rng.choice([16, 32]), **FP32, **settings)
     mix = random_mix(seed, n_allowed="kv_policy" not in settings)
-    small = LLM(str(model_dir), num_blocks=rng.choice([24, 32]), max_num_seqs=rng.choice([2, 4, 8]), **common)
-    roomy = LLM(str(model_dir), num_blocks=1024, max_num_seqs=1, **common)
+    small = LLM(str(tiny_model_dir_d32), num_blocks=rng.choice([24, 32]), max_num_seqs=rng.choice([2, 4, 8]), **common)
+    roomy = LLM(str(tiny_model_dir_d32), num_blocks=1024, max_num_seqs=1, **common)
     got = run(small, mix)
     for i, (prompt, params) in enumerate(mix):
         if params.temperature == 0 or "speculative" not in settings:
