@@ -1,5 +1,5 @@
 """Random mixes of requests (shared prefixes, n > 1, seeded sampling, penalties, stop tokens, logprobs) in a small pool
-under a small step budget: every request's tokens equal its own run alone in a roomy engine with the same settings,
+under a small step budget (and a RAM tier past it): every request's tokens equal its own run alone in a roomy engine with the same settings,
 whatever shares its steps, preempts it or is cached; with aborts mid-way, the pool ends empty."""
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ SETTINGS = {
     "recompute": {},
     "swap": dict(preemption_mode="swap"),
     "ngram": dict(speculative="ngram:k=3"),  # seeded samples may differ (guesses take draws): greedy ones compared
+    "swap-ngram": dict(preemption_mode="swap", speculative="ngram:k=3"),
+    "cpu-tier": dict(kv_tiers=["cpu:1MiB"]),  # evicted prefixes come back from RAM
     "int8": dict(kv_cache_dtype="int8"),
     "streaming": dict(kv_policy="streaming:sinks=2,window=8"),
     "h2o": dict(kv_policy="h2o:budget=0.5"),
