@@ -115,15 +115,19 @@ void panel(const uint8_t* w, const Layout& L, const Activations& a, int64_t r0, 
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
-// Panels [p0, p1) against all M activation rows, four at a time: a panel is read from memory once, however many
-// rows multiply it.
+// Panels [p0, p1) against all M activation rows, up to eight at a time: a panel is read from memory once, however
+// many rows multiply it, and its codes are unpacked once per pass.
 template <int TYPE>
 void panels(const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t p0, int64_t p1, float* out, int64_t ldo) {
     for (int64_t p = p0; p < p1; ++p)
-        for (int64_t r = 0; r < M; r += 4) {
+        for (int64_t r = 0; r < M; r += 8) {
             const uint8_t* pw = w + p * L.panel_bytes();
             float* o = out + r * ldo + PANEL * p;
-            switch (M - r < 4 ? M - r : 4) {
+            switch (M - r < 8 ? M - r : 8) {
+                case 8: panel<TYPE, 8>(pw, L, a, r, o, ldo); break;
+                case 7: panel<TYPE, 7>(pw, L, a, r, o, ldo); break;
+                case 6: panel<TYPE, 6>(pw, L, a, r, o, ldo); break;
+                case 5: panel<TYPE, 5>(pw, L, a, r, o, ldo); break;
                 case 4: panel<TYPE, 4>(pw, L, a, r, o, ldo); break;
                 case 3: panel<TYPE, 3>(pw, L, a, r, o, ldo); break;
                 case 2: panel<TYPE, 2>(pw, L, a, r, o, ldo); break;
