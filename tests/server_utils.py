@@ -12,6 +12,7 @@ import uvicorn
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.app import create_app
+from kvserve.server.async_engine import AsyncEngine
 
 
 def free_port() -> int:
@@ -20,25 +21,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class SlowEngine(LLMEngine):
+    """5 ms a step at least: the tiny model could finish a request before a test's next one arrives."""
+
+    def step(self):
+        time.sleep(0.005)
+        return super().step()
+
+
+class FailingEngine(LLMEngine):
+    """A stand-in for a bug: every step holding a request that asks for 13 tokens raises."""
+
+    def step(self):
+        if any(seq.params.max_tokens == 13 for seqs in self.requests.values() for seq in seqs):
+            raise RuntimeError("a bug")
+        return super().step()
+
+
 @contextlib.contextmanager
-def running_server(model: str, api_key: str | None = None, max_waiting: int = 256, **engine_options):
-    engine = LLMEngine(EngineConfig(model=model, **engine_options))
-    app = create_app(engine, "test-model", api_key=api_key, max_waiting=max_waiting)
+def running_server(model: str, api_key: str | None = None, max_waiting: int = 256, make_engine=None, **engine_options):
+    """As `kvserve serve` runs: the engine in a process of its own, HTTP on a thread of this one."""
+    engine = AsyncEngine.start(EngineConfig(model=model, **engine_options), "test-model", max_waiting, make_engine)
+    app = create_app(engine, "test-model", api_key=api_key)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    threading.Thread(target=app.state.server.async_engine.run, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
     try:
+        while not server.started:
+            assert time.time() < deadline and thread.is_alive(), "server did not start"
+            time.sleep(0.05)
         yield url, app
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+        engine.stop()
 
 
 def kv_usage(url: str) -> float:

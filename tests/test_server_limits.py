@@ -11,14 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server_utils import free_port, running_server
+from tests.server_utils import FailingEngine, SlowEngine, free_port, kv_usage, running_server
 
 BODY = {"model": "test-model", "prompt": [1, 2, 3, 4], "max_tokens": 3, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def secured_app(tiny_model_dir):
-    with running_server(str(tiny_model_dir), api_key="s3cret", max_waiting=2, max_num_seqs=1) as served:
+    with running_server(str(tiny_model_dir), api_key="s3cret", max_waiting=2, make_engine=SlowEngine, max_num_seqs=1) as served:
         yield served
 
 
@@ -40,17 +40,10 @@ def test_right_api_key_and_open_routes(secured):
     assert httpx.get(f"{secured}/metrics").status_code == 200
 
 
-def test_full_waiting_queue_gets_503_with_retry_after(secured_app):
+def test_full_waiting_queue_gets_503_with_retry_after(secured):
     """One request runs (max_num_seqs 1), two wait (max_waiting 2): the next is turned away until they are done."""
-    secured, app = secured_app
     auth, long = {"Authorization": "Bearer s3cret"}, {**BODY, "max_tokens": 400}
-    engine = app.state.server.async_engine.engine
-    step = engine.step  # the tiny model could finish a request before the next two arrive: 5 ms a step at least
-    engine.step = lambda: (time.sleep(0.005), step())[1]
-    try:
-        _fill_the_queue(secured, auth, long)
-    finally:
-        del engine.step
+    _fill_the_queue(secured, auth, long)
     assert httpx.post(f"{secured}/v1/completions", json=BODY, headers=auth).status_code == 200
 
 
@@ -88,6 +81,31 @@ def _gauge(url: str, name: str) -> float:
     return float(line.split()[-1])
 
 
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(tiny_model_dir):
+    with running_server(str(tiny_model_dir), make_engine=FailingEngine) as (url, _):
+        r = httpx.post(f"{url}/v1/completions", json={**BODY, "max_tokens": 13})
+        assert r.status_code == 503 and "the engine failed on this request's step: a bug" in r.json()["error"]["message"]
+        with httpx.stream("POST", f"{url}/v1/completions", json={**BODY, "max_tokens": 13, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and "a bug" in events[-2] and events[-1] == "data: [DONE]"  # the status went out first
+        assert httpx.post(f"{url}/v1/completions", json=BODY).json()["usage"]["completion_tokens"] == 3
+        assert kv_usage(url) == 0.0 and httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_dead_engine_process_fails_health_and_requests(tiny_model_dir):
+    with running_server(str(tiny_model_dir)) as (url, app):
+        assert httpx.post(f"{url}/v1/completions", json=BODY).status_code == 200
+        engine = app.state.server.async_engine
+        engine.process.kill()
+        engine.process.join()
+        deadline = time.time() + 10
+        while httpx.get(f"{url}/health").status_code != 503:  # the HTTP process sees its pipe close
+            assert time.time() < deadline, "the server never noticed"
+            time.sleep(0.05)
+        r = httpx.post(f"{url}/v1/completions", json=BODY)
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+
+
 def test_sigterm_shuts_down_cleanly(tiny_model_dir):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--model", str(tiny_model_dir),
@@ -104,6 +122,7 @@ def test_sigterm_shuts_down_cleanly(tiny_model_dir):
             time.sleep(0.2)
         body = {**BODY, "model": str(tiny_model_dir)}
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body).status_code == 200
+        _check_placement(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         log = proc.stderr.read()
@@ -111,3 +130,15 @@ def test_sigterm_shuts_down_cleanly(tiny_model_dir):
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
+
+
+def _check_placement(pid: int) -> None:
+    """The engine's OpenMP threads bound to cores, the HTTP process on the last CPU (see kvserve.server.async_engine)."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2 or "OMP_PROC_BIND" in os.environ or "OMP_PLACES" in os.environ:
+        return
+    (engine,) = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()
+                 if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    environ = dict(v.split("=", 1) for v in open(f"/proc/{engine}/environ").read().split("\0") if "=" in v)
+    assert environ["OMP_PROC_BIND"] == "close" and environ["OMP_PLACES"] == "cores"
+    assert all(os.sched_getaffinity(int(t)) == {max(cpus)} for t in os.listdir(f"/proc/{pid}/task"))

@@ -1,5 +1,5 @@
-"""The engine thread rule: the server's HTTP thread and the engine loop share the tokenizer, and never use it at
-the same moment (transformers' fast tokenizers change shared state on every encode)."""
+"""The HTTP process's tokenizer (the engine's process has its own) is never entered by two calls at once, however many
+requests come together: transformers' fast tokenizers change shared state on every encode."""
 from __future__ import annotations
 
 import sys
@@ -52,7 +52,7 @@ def _request(url: str, i: int) -> int:
 
 def test_100_concurrent_requests_never_share_the_tokenizer_at_once():
     with running_server("smollm2-135m", kv_cache_memory="64MiB", **FP32) as (url, app):
-        tokenizer = app.state.server.engine.tokenizer
+        tokenizer = app.state.server.tokenizer
         watch = Watch(tokenizer._tokenizer)
         tokenizer._tokenizer = watch
         interval = sys.getswitchinterval()

@@ -6,9 +6,9 @@ PROMPT_CONTEXT_TOKENS = 6
 
 
 class SerialTokenizer:
-    """The engine's tokenizer, entered by one thread at a time. The server encodes prompts on its HTTP thread
-    while the engine thread detokenizes, and transformers' fast tokenizers reset shared truncation and padding
-    state on every encode call; a lock held for one call at a time costs a microsecond."""
+    """A tokenizer entered by one thread at a time: transformers' fast tokenizers reset shared truncation and padding
+    state on every encode call, and a caller's threads may share an engine; a lock held for one call at a time costs
+    a microsecond."""
 
     def __init__(self, tokenizer):
         self._tokenizer, self._lock = tokenizer, threading.RLock()

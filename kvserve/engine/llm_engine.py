@@ -12,6 +12,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import SerialTokenizer
 from kvserve.engine.model_runner import ModelRunner, StepOutput
 from kvserve.engine.output import OutputProcessor
+from kvserve.engine.prompts import PromptEncoder
 from kvserve.engine.scheduler import ScheduledBatch, Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
@@ -43,6 +44,7 @@ class LLMEngine:
         self.config = config
         self.checkpoint = open_checkpoint(config.model)
         self.tokenizer = SerialTokenizer(self.checkpoint.tokenizer) if self.checkpoint.tokenizer is not None else None
+        self.prompts = PromptEncoder(self.tokenizer, config.model)
         model_config = self.checkpoint.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if self.max_model_len > model_config.max_position_embeddings:
@@ -122,25 +124,10 @@ class LLMEngine:
         return policy
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt; chat-templated text passes add_special_tokens=False (the template has them)."""
-        if not isinstance(prompt, str):
-            if not isinstance(prompt, (list, tuple)):
-                raise KVServeError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
-            return list(prompt)
-        if self.tokenizer is None:
-            raise KVServeError(f"{self.config.model} has no tokenizer; pass prompts as lists of token ids")
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return self.prompts.tokenize(prompt, add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """The conversation as prompt text, ending where the assistant's answer starts."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise KVServeError(f"{self.config.model} has no chat template")
-        if not messages:
-            raise KVServeError("messages must not be empty")
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # templates raise jinja errors for conversations they do not accept
-            raise KVServeError(f"the chat template rejected these messages: {e}") from e
+        return self.prompts.apply_chat_template(messages)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     add_special_tokens: bool = True, prompt_text: str | None = None) -> str:

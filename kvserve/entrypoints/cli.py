@@ -5,7 +5,6 @@ import argparse
 import json
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -195,45 +194,37 @@ def startup_note(engine) -> str:
     return note
 
 
+def serve_description(engine) -> str:
+    """What `kvserve serve` says of its engine: weights, KV pool and layout, and how the pool was sized."""
+    usage = engine.kv_usage()
+    draft = f"; the draft's own pool {usage['draft']['total_bytes'] / 2**20:.0f} MiB" if "draft" in usage else ""
+    return (f"{engine.runner.model.describe_weights()}; KV pool {usage['total_bytes'] / 2**20:.0f} MiB, "
+            f"{engine.kv_manager.num_blocks} blocks; {engine.layout.describe()}{draft}){startup_note(engine)}")
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from kvserve.engine.llm_engine import LLMEngine
     from kvserve.server.app import create_app
+    from kvserve.server.async_engine import AsyncEngine
 
     if args.max_waiting < 1:
         raise KVServeError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     if not 1 <= args.port <= 65535:  # uvloop would bind the port modulo 65536 and say nothing
         raise KVServeError(f"--port must be in [1, 65535], got {args.port}")
-    engine = LLMEngine(engine_config(args))
-    app = create_app(engine, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting)
-    usage = engine.kv_usage()
-    draft = f"; the draft's own pool {usage['draft']['total_bytes'] / 2**20:.0f} MiB" if "draft" in usage else ""
-    print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} ({engine.runner.model.describe_weights()}; KV pool "
-          f"{usage['total_bytes'] / 2**20:.0f} MiB, {engine.kv_manager.num_blocks} blocks; {engine.layout.describe()}{draft}){startup_note(engine)}", file=sys.stderr)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    engine_loop = app.state.server.async_engine
-
-    def serve_http() -> None:
-        try:
-            server.run()
-        finally:
-            engine_loop.stop()
-
-    def shut_down(*_) -> None:  # uvicorn installs no handlers off the main thread; a second signal forces it
-        server.force_exit = server.should_exit
-        server.should_exit = True
-
-    signal.signal(signal.SIGTERM, shut_down)
-    signal.signal(signal.SIGINT, shut_down)
-    http = threading.Thread(target=serve_http, name="kvserve-http")
-    http.start()
+    name = args.served_model_name or args.model
+    engine = AsyncEngine.start(engine_config(args), name, args.max_waiting, describe=serve_description, place=True)
     try:
-        engine_loop.run()  # the model runs on the thread that loaded it (see kvserve.server.async_engine)
+        app = create_app(engine, name, api_key=args.api_key)
+        print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} ({engine.facts.description}", file=sys.stderr)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+        for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn raises the signal that stopped it again once it has shut
+            signal.signal(sig, lambda *_: None)  # down; this handler, restored under it, lets the engine stop and exit 0
+        server.run()
+        started = server.started
     finally:
-        server.should_exit = True
-        http.join()
-    if not server.started:
+        engine.stop()
+    if not started:
         raise KVServeError(f"could not serve on {args.host}:{args.port} (see the log above)")
 
 

@@ -13,12 +13,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvserve.engine.detokenizer import token_bytes, token_text
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.detokenizer import SerialTokenizer, token_bytes, token_text
+from kvserve.engine.prompts import PromptEncoder
 from kvserve.errors import KVServeError
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from kvserve.server.metrics import Metrics
+from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.engine_core import EngineDeadError, QueueFullError
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
                                      TokenizeRequest, chat_logprobs, completion_logprobs, envelope, new_id, usage)
 
@@ -97,10 +97,11 @@ class RequireAPIKey:
 class Server:
     """Request handling shared by the routes: validation, submission, response shapes."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, max_waiting: int):
-        self.engine, self.model_name = engine, model_name
-        self.metrics = Metrics(model_name, engine.layout, engine.kv_usage()["total_bytes"])
-        self.async_engine = AsyncEngine(engine, self.metrics, max_waiting)
+    def __init__(self, async_engine: AsyncEngine, model_name: str):
+        self.async_engine, self.model_name, self.facts = async_engine, model_name, async_engine.facts
+        self.metrics = async_engine.metrics
+        self.tokenizer = SerialTokenizer(self.facts.tokenizer) if self.facts.tokenizer is not None else None
+        self.prompts = PromptEncoder(self.tokenizer, self.facts.model)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -109,41 +110,37 @@ class Server:
 
     def decode(self, token_id: int) -> str:
         """A token as logprobs show it: its text, or "bytes:\\xNN..." for part of a UTF-8 character."""
-        return token_text(self.engine.tokenizer, token_id) if self.engine.tokenizer else str(token_id)
+        return token_text(self.tokenizer, token_id) if self.tokenizer else str(token_id)
 
     def raw(self, token_id: int) -> bytes:
-        return token_bytes(self.engine.tokenizer, token_id) if self.engine.tokenizer else b""
+        return token_bytes(self.tokenizer, token_id) if self.tokenizer else b""
 
     def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        text = self.engine.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
-        return self.engine.tokenize(text, add_special_tokens=False)
+        text = self.prompts.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+        return self.prompts.tokenize(text, add_special_tokens=False)
 
-    def submit(self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
-               prefix: str, prompt_logprobs: int | None = None) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
-        """Validate every prompt before any starts, then start one engine request per prompt, each with n
-        completions (they share its prefill); choice index = prompt * n + completion."""
+    async def submit(self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
+                     prefix: str, prompt_logprobs: int | None = None) -> tuple[str, list[AsyncIterator[RequestOutput]]]:
+        """Start one engine request per prompt, each with n completions (they share its prefill), all or none (the
+        engine validates every prompt before any starts); choice index = prompt * n + completion."""
         req.check_supported()
-        limit, jobs = self.engine.max_request_tokens, []
-        for ids in prompts:  # no max_tokens: up to the context window (also under a policy that could go past it)
-            tokens = max_tokens if max_tokens is not None else max(1, limit - len(ids))
-            params = req.sampling_params(tokens, logprobs, prompt_logprobs)
-            self.engine.check_request(ids, params)
-            jobs.append((ids, params))
         if len(prompts) * req.n > self.async_engine.max_waiting:  # could never fit, however idle the server: not a 503
             raise APIError(400, f"one request may carry at most {self.async_engine.max_waiting} prompts x n; this one has "
                                 f"{len(prompts)} prompt(s) x n={req.n} = {len(prompts) * req.n}")
-        self.async_engine.check_capacity(len(jobs))
-        request_id = new_id(prefix)
-        return request_id, [self.async_engine.generate(f"{request_id}-{k}", ids, params) for k, (ids, params) in enumerate(jobs)]
+        request_id, limit, jobs = new_id(prefix), self.facts.max_request_tokens, []
+        for k, ids in enumerate(prompts):  # no max_tokens: up to the context window (also under a policy that could go past it)
+            tokens = max_tokens if max_tokens is not None else max(1, limit - len(ids))
+            jobs.append((f"{request_id}-{k}", ids, req.sampling_params(tokens, logprobs, prompt_logprobs)))
+        return request_id, await self.async_engine.add(jobs)
 
     async def complete(self, req: CompletionRequest):
         self.check_model(req.model)
         given = [req.prompt] if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) else req.prompt
         if not given:
             raise APIError(400, "prompt must not be empty")
-        prompts = [self.engine.tokenize(p) for p in given]
+        prompts = [self.prompts.tokenize(p) for p in given]
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        request_id, streams = self.submit(req, prompts, max_tokens, req.logprobs, "cmpl", req.prompt_logprobs)
+        request_id, streams = await self.submit(req, prompts, max_tokens, req.logprobs, "cmpl", req.prompt_logprobs)
         texts = self._prompt_texts(given, prompts) if req.echo else [""] * len(prompts)
         prompt_tokens = sum(map(len, prompts))
         if req.stream:
@@ -166,7 +163,7 @@ class Server:
         self.check_model(req.model)
         ids = self.chat_prompt(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        request_id, streams = self.submit(req, [ids], req.max_completion_tokens or req.max_tokens, logprobs, "chatcmpl")
+        request_id, streams = await self.submit(req, [ids], req.max_completion_tokens or req.max_tokens, logprobs, "chatcmpl")
         if req.stream:
             return self._stream(self._chat_chunks(req, request_id, streams, len(ids)))
         finals = await self._collect(streams)
@@ -177,7 +174,7 @@ class Server:
 
     def _prompt_texts(self, prompts: list, ids: list[list[int]]) -> list[str]:
         """Each prompt's text, what echo repeats: token ids decoded after the engine checked them."""
-        decode = self.engine.tokenizer.decode if self.engine.tokenizer else lambda _: ""
+        decode = self.tokenizer.decode if self.tokenizer else lambda _: ""
         return [p if isinstance(p, str) else decode(t) for p, t in zip(prompts, ids)]
 
     async def _collect(self, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
@@ -266,13 +263,15 @@ def _usage_field(req: SamplingRequest) -> dict:
     return {"usage": None} if req.stream_options and req.stream_options.include_usage else {}
 
 
-def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None, max_waiting: int = 256) -> FastAPI:
-    server = Server(engine, model_name, max_waiting)
+def create_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app for a started engine (AsyncEngine.start); the app's shutdown stops it."""
+    server = Server(async_engine, model_name)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # the caller runs app.state.server.async_engine.run on a thread of its own
+    async def lifespan(app: FastAPI):
+        async_engine.attach(asyncio.get_running_loop())
         yield
-        server.async_engine.stop()
+        async_engine.stop()
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.server = server
@@ -291,7 +290,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None, m
 
     def card() -> dict:
         return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
-                "max_model_len": engine.max_request_tokens}
+                "max_model_len": server.facts.max_request_tokens}
 
     @app.get("/v1/models")
     async def models():
@@ -307,21 +306,23 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None, m
         server.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of prompt or messages")
-        ids = server.chat_prompt(req) if req.messages is not None else engine.tokenize(req.prompt, req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_request_tokens}
+        ids = server.chat_prompt(req) if req.messages is not None else server.prompts.tokenize(req.prompt, req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.facts.max_request_tokens}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         server.check_model(req.model)
-        vocab = engine.checkpoint.config.vocab_size
+        vocab = server.facts.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        if server.tokenizer is None:
+            raise APIError(400, f"{server.facts.model} has no tokenizer")
+        return {"prompt": server.tokenizer.decode(req.tokens)}
 
     @app.get("/health")
     async def health():
         if not server.async_engine.alive:
-            return error_response(503, "the engine loop is not running", "server_error")
+            return error_response(503, "the engine process is not running", "server_error")
         return {}
 
     @app.get("/metrics")

@@ -1,73 +1,130 @@
-"""The engine loop, on a thread of its own, so the HTTP event loop never waits on model compute.
+"""The HTTP process's side of the engine: it starts the engine process, sends it requests and hands each request's
+outputs to its stream, and keeps the metrics.
 
-Only the thread in `run` touches the LLMEngine. Handlers send it commands (add, abort, snapshot) through
-a queue and receive each request's outputs on an asyncio queue, filled with call_soon_threadsafe.
-`kvserve serve` runs the loop on the main thread and HTTP on another: torch's OpenMP pool belongs to the
-thread that first ran an op (the one that loaded the model), and a second thread running ops makes a
-second pool, oversubscribes the cores and made every step ~15% slower.
+The engine runs in a process of its own (kvserve.server.engine_core). On a thread of the HTTP process, one client's
+stream ran at 0.87 of the offline engine's pace on 2 cores: HTTP's Python held the GIL the engine's steps needed,
+and pinning threads could not help. Apart, on Linux the engine's OpenMP threads are bound one to a core and the
+HTTP process is placed on the last one's core: the engine's one-threaded phases (Python between kernels, sampling)
+leave that core idle, and HTTP's work fits there (a process consuming 400 us a token slowed the offline engine by
+11-13% left to float, by 4-6% placed so). A user's own OMP_PROC_BIND or OMP_PLACES turns the placement off.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
-import queue
-import threading
+import contextlib
+import itertools
+import multiprocessing
+import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from concurrent.futures import Future
+from collections.abc import AsyncIterator, Callable
 
-from kvserve.engine.llm_engine import LLMEngine
-from kvserve.kv.block_table import NULL
+from kvserve.config import EngineConfig
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.server import engine_core
+from kvserve.server.engine_core import EngineDeadError, EngineFacts, from_wire
 from kvserve.server.metrics import Metrics
 
-log = logging.getLogger("kvserve.server")
-
-METRICS_PERIOD_S = 0.05  # gauges and scheduler counters follow the engine at most this late (updating them took ~30 us a step)
-
-
-class QueueFullError(Exception):
-    """The waiting queue is at its bound; the client should retry later."""
-
-
-class EngineDeadError(Exception):
-    pass
+BINDING = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int = 256):
-        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stop = threading.Event()
+    def __init__(self, process, commands, events, facts: EngineFacts, metrics: Metrics, max_waiting: int):
+        self.process, self.commands, self.events = process, commands, events
+        self.facts, self.metrics, self.max_waiting = facts, metrics, max_waiting
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._last: dict[str, RequestOutput] = {}  # each running request's latest output, which the next one extends
+        self._replies: dict[int, asyncio.Future] = {}
+        self._keys = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._alive = True
         self.usage_history: deque[tuple[float, float]] = deque(maxlen=240)
         self.recent = RecentStats()
-        self._flushed = 0.0  # when the gauges and scheduler counters last caught up
+        self._gaps: list[float] = []  # inter-token gaps and tokens not yet in the metrics
+        self._new_tokens = 0
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_name: str, max_waiting: int = 256, make_engine: Callable | None = None,
+              describe: Callable | None = None, place: bool = False) -> AsyncEngine:
+        """Start the engine process and wait until it has loaded (its KVServeError if it could not).
+
+        make_engine(config) builds the engine there (default LLMEngine); describe(engine) words the startup line;
+        place: bind the engine's OpenMP threads to cores and move this whole process to the last one's (Linux, more
+        than one CPU, OMP_PROC_BIND and OMP_PLACES unset), as `kvserve serve` does."""
+        if make_engine is None:
+            from kvserve.engine.llm_engine import LLMEngine
+            make_engine = LLMEngine
+        context = multiprocessing.get_context("spawn")  # a forked child would inherit torch's threads half-made
+        commands, child_commands = context.Pipe(duplex=False)[::-1]
+        child_events, events = context.Pipe(duplex=False)[::-1]
+        process = context.Process(target=engine_core.main, name="kvserve-engine", daemon=True,
+                                  args=(config, child_commands, child_events, max_waiting, make_engine, describe))
+        cpu = _http_cpu() if place else None
+        with _environment(BINDING if cpu is not None else {}):
+            process.start()
+        child_commands.close()  # only the child's copies remain: its exit shows here as the end of the events pipe
+        child_events.close()
+        try:
+            kind, value = events.recv()
+        except EOFError:
+            process.join()
+            raise EngineDeadError(f"the engine process exited with code {process.exitcode} while loading") from None
+        if kind == "failed":
+            process.join()
+            raise value
+        if cpu is not None:
+            _pin_process(cpu)
+        return cls(process, commands, events, value, Metrics(model_name, value.layout, value.kv_total_bytes), max_waiting)
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver the engine's messages on this event loop, which all requests' streams use."""
+        self._loop = loop
+        loop.add_reader(self.events.fileno(), self._receive)
 
     def stop(self) -> None:
-        """End `run` after the step in progress; commands sent before it starts wait for it."""
-        self._stop.set()
-        self._commands.put(("wake",))
+        """Stop the engine process (after the step in progress) and wait for it; again, nothing more."""
+        if self._alive:
+            self._alive = False
+            try:
+                self.commands.send(("stop",))
+            except OSError:
+                pass
+        self._detach()
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def _detach(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.events.fileno())
+        self._loop = None
 
     @property
     def alive(self) -> bool:
-        return not self._stop.is_set()
+        return self._alive
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+    async def add(self, jobs: list[tuple[str, list[int], SamplingParams]]) -> list[AsyncIterator[RequestOutput]]:
+        """Start one HTTP request's engine requests (request id, prompt token ids, params), all or none; each one's
+        outputs as they arrive. The engine validates them: its KVServeError, or QueueFullError at the waiting bound."""
+        queues = [asyncio.Queue() for _ in jobs]
+        self._streams.update((request_id, q) for (request_id, _, _), q in zip(jobs, queues))
+        try:
+            await self._call("add", jobs)
+        except BaseException:
+            for request_id, _, _ in jobs:  # if the client left while the engine took them, their outputs abort them
+                self._streams.pop(request_id, None)
+            raise
+        self.metrics.prompt_tokens.inc(sum(len(ids) for _, ids, _ in jobs))
+        return [self._stream(request_id, q) for (request_id, _, _), q in zip(jobs, queues)]
 
-    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as its tokens arrive; leaving early (a disconnect) aborts it.
+    async def snapshot(self) -> dict:
+        """The block pool as the engine sees it between two steps, with the recent latencies."""
+        return {**await self._call("snapshot"), "history": list(self.usage_history), **self.recent.summary()}
 
-        The caller has validated the request and checked the waiting bound (see `check_capacity`)."""
-        if not self.alive:
-            raise EngineDeadError("the engine is not running")
-        outputs: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._commands.put(("add", request_id, token_ids, params))
+    async def _stream(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Leaving early (a disconnect) aborts the request."""
         finished = False
         try:
             while not finished:
@@ -79,149 +136,123 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._last.pop(request_id, None)
+                self.recent.last_token.pop(request_id, None)
+                self._send(("abort", request_id))
 
-    def check_capacity(self, new_requests: int) -> None:
-        if self.num_waiting + new_requests > self.max_waiting:
-            raise QueueFullError(f"the server is busy: {self.num_waiting} requests are waiting (limit {self.max_waiting})")
+    async def _call(self, kind: str, *args):
+        if not self._alive:
+            raise EngineDeadError("the engine is not running")
+        key = next(self._keys)
+        self._replies[key] = reply = asyncio.get_running_loop().create_future()
+        self._send((kind, key, *args))
+        result = await reply
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-    async def snapshot(self) -> dict:
-        """The block pool as the engine thread sees it between two steps."""
-        future: Future = Future()
-        self._commands.put(("snapshot", future))
-        return await asyncio.wrap_future(future)
-
-    def run(self) -> None:
-        """Step the engine until `stop`; blocks the calling thread, which alone runs the model."""
-        try:
-            while not self._stop.is_set():
-                self._handle_commands(block=not self.engine.has_unfinished_requests())
-                if self._stop.is_set() or not self.engine.has_unfinished_requests():
-                    continue
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # a bug must fail the requests in flight, not kill the server
-                    log.exception("engine step failed")
-                    self._fail_all(e)
-                    continue
-                self._deliver(outputs)
-        finally:
-            self._stop.set()
-
-    def _handle_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-            while True:
-                self._handle(command)
-                command = self._commands.get_nowait()
-        except queue.Empty:
+    def _send(self, command: tuple) -> None:
+        if not self._alive:
             return
+        try:
+            self.commands.send(command)
+        except OSError:
+            self._died()
 
-    def _handle(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, token_ids, params = command
-            if request_id not in self._streams:  # the client left before the engine saw it
-                return
-            try:
-                self.engine.add_request(token_ids, params, request_id=request_id)
-                self.metrics.prompt_tokens.inc(len(token_ids))
-            except Exception as e:
-                self._send([(request_id, e)])
-        elif kind == "abort":
-            if command[1] in self.engine.requests:
-                self._abort(command[1])
-                self.metrics.record_finished("abort")
-                self._flush_metrics()
-        elif kind == "snapshot":
-            command[1].set_result(self._snapshot())
+    def _receive(self) -> None:
+        """Everything the engine has sent so far."""
+        try:
+            while self._alive and self.events.poll():
+                message = self.events.recv()
+                if message[0] == "step":
+                    self._deliver(*message[1:])
+                elif message[0] == "reply":
+                    future = self._replies.pop(message[1])
+                    if not future.done():
+                        future.set_result(message[2])
+                elif message[0] == "lost":
+                    for request_id, error in message[1]:
+                        self._last.pop(request_id, None)
+                        self._put(request_id, EngineDeadError(error))
+        except (EOFError, OSError):
+            self._died()
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        now = time.perf_counter()
-        for out in outputs:
-            m = out.metrics
-            if out.request_id not in self.recent.last_token:  # its first tokens
-                self.metrics.ttft.observe(m.ttft)
-                self.metrics.queue_time.observe(m.queue_time or 0.0)
-                self.recent.ttft.append(m.ttft)
-            else:
-                gap = now - self.recent.last_token[out.request_id]
-                self.metrics.itl.observe(gap)
-                self.recent.itl.append(gap)
-            self.recent.last_token[out.request_id] = now
-            self.recent.token_times.append(now)
-            if out.finished:
-                self.metrics.e2e.observe(m.e2e_latency)
-                for c in out.outputs:
-                    self.metrics.record_finished(c.finish_reason)
-                self.recent.last_token.pop(out.request_id, None)
-        self._send([(out.request_id, out) for out in outputs])
-        self.metrics.generation_tokens.inc(sum(len(c.new_token_ids) for out in outputs for c in out.outputs))
-        if now - self._flushed >= METRICS_PERIOD_S or any(out.finished for out in outputs):
-            self._flush_metrics()
+    def _deliver(self, wired: list[tuple], stats: dict | None, aborted: int) -> None:
+        now, m, outputs, last = time.perf_counter(), self.metrics, [], self._last
+        for item in wired:
+            request_id = item[0]
+            out = from_wire(item, last.pop(request_id, None))
+            outputs.append(out)
+            if request_id not in self._streams:  # its client left, perhaps before its stream was read
+                if not out.finished:
+                    self._send(("abort", request_id))
+                continue
+            if not out.finished:
+                last[request_id] = out
+            self._record(out, now)
+            self._put(request_id, out)
+        self._new_tokens += sum(len(c.new_token_ids) for out in outputs for c in out.outputs)
+        for _ in range(aborted):
+            m.record_finished("abort")
+        if stats is not None:
+            self._record_stats(stats)
 
-    def _flush_metrics(self) -> None:
-        """The scheduler's counters and the gauges, as of now."""
-        self._flushed = time.perf_counter()
-        self.metrics.record_stats(self.engine.scheduler.stats)
-        usage = self.engine.kv_manager.usage()  # the pool only: a Redis tier's counts would cost round trips here
+    def _put(self, request_id: str, item: RequestOutput | Exception) -> None:
+        """To the request's stream; a finished request's entry goes (its stream may never have been read)."""
+        done = isinstance(item, Exception) or item.finished
+        outputs = self._streams.pop(request_id, None) if done else self._streams.get(request_id)
+        if outputs is not None:
+            outputs.put_nowait(item)
+
+    def _record(self, out: RequestOutput, now: float) -> None:
+        m, recent = self.metrics, self.recent
+        if out.request_id not in recent.last_token:  # its first tokens
+            m.ttft.observe(out.metrics.ttft)
+            m.queue_time.observe(out.metrics.queue_time or 0.0)
+            recent.ttft.append(out.metrics.ttft)
+        else:
+            gap = now - recent.last_token[out.request_id]
+            self._gaps.append(gap)
+            recent.itl.append(gap)
+        recent.last_token[out.request_id] = now
+        recent.token_times.append(now)
+        if out.finished:
+            m.e2e.observe(out.metrics.e2e_latency)
+            for c in out.outputs:
+                m.record_finished(c.finish_reason)
+            recent.last_token.pop(out.request_id, None)
+
+    def _record_stats(self, stats: dict) -> None:
+        """The engine's counters and gauges, and the tokens and gaps seen since the last stats: observed together,
+        not a token at a time with the caches the engine's step emptied."""
+        m, usage = self.metrics, stats["usage"]
+        for gap in self._gaps:
+            m.itl.observe(gap)
+        m.generation_tokens.inc(self._new_tokens)
+        self._gaps, self._new_tokens = [], 0
+        m.record_stats(stats["scheduler"])
         share = usage["used_blocks"] / usage["num_blocks"]
-        self.metrics.kv_usage.set(share)
-        self.metrics.kv_used_bytes.set(usage["used_bytes"])
-        self.metrics.running.set(len(self.engine.scheduler.running))
-        self.metrics.waiting.set(len(self.engine.scheduler.waiting))
+        m.kv_usage.set(share)
+        m.kv_used_bytes.set(usage["used_bytes"])
+        m.running.set(stats["running"])
+        m.waiting.set(stats["waiting"])
         now = time.time()
         if not self.usage_history or now - self.usage_history[-1][0] >= 0.25:
             self.usage_history.append((now, share))
 
-    def _fail_all(self, error: Exception) -> None:
-        failed = list(self.engine.requests)
-        for request_id in failed:
-            self._abort(request_id)
-        self._send([(r, EngineDeadError(f"the engine failed on this request's step: {error}")) for r in failed])
-        self._flush_metrics()
-
-    def _abort(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
-        self.recent.last_token.pop(request_id, None)  # else every aborted request would stay in it
-
-    def _send(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
-        """Hand items to their requests' streams: one wake-up per event loop, not one per token."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, item in items:
-            target = self._streams.get(request_id)
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], item))
-        for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, batch)
-
-    def _snapshot(self) -> dict:
-        """The pool's blocks (ids: the main pool's, then the residual pool's) that are held or cached; the others are
-        free. Only those are listed: it runs on the engine thread, and a dict per block of a small model's pool
-        (262,144 blocks in 1 GiB) took 4 s a snapshot and 19 MB of JSON."""
-        engine, kv = self.engine, self.engine.kv_manager
-        owners: dict[int, list[str]] = {}
-        compacted = set()  # blocks of requests whose policy evicted tokens: they hold the kept ones, not a run of positions
-        for seq in (s for seqs in engine.requests.values() for s in seqs):
-            for block_id in set(seq.block_tables.ids.ravel().tolist()) - {NULL}:  # NULL: a block a sliding window gave back
-                owners.setdefault(block_id, []).append(seq.request_id)
-                if seq.num_evicted_tokens:
-                    compacted.add(block_id)
-        pools = [kv.pool] + ([kv.residual] if kv.residual else [])
-        listed = [kv.pool_of(i).block(i) for i in sorted(set(owners) | {i for pool in pools for i in pool.cached.values()})]
-        blocks = [{"id": b.id, "owners": owners.get(b.id, []), "ref": b.ref_count, "cached": b.hash is not None,
-                   "compacted": b.id in compacted} for b in listed]
-        grid = {"blocks": sum(pool.num_blocks for pool in pools), "residual_from": kv.pool.num_blocks}
-        layout = {**engine.layout.to_dict(), "description": engine.layout.describe(),
-                  "tiers": engine.tiers.describe() if engine.tiers is not None else ""}
-        return {"blocks": blocks, "grid": grid, "block_size": kv.block_size, "layout": layout, "usage": engine.kv_usage(),
-                "evicted_tokens": engine.scheduler.stats.num_evicted_tokens, "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-                "history": list(self.usage_history), **self.recent.summary()}
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
-    for outputs, out in items:
-        outputs.put_nowait(out)
+    def _died(self) -> None:
+        """The engine process is gone: every request in flight and every call waiting fails."""
+        self._alive = False
+        self._detach()
+        self.process.join(timeout=1)  # it closed its end: it is on its way out
+        error = EngineDeadError(f"the engine process exited (code {self.process.exitcode})")
+        self._last.clear()
+        for request_id in list(self._streams):
+            self._put(request_id, error)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_result(error)
+        self._replies.clear()
 
 
 class RecentStats:
@@ -238,3 +269,36 @@ class RecentStats:
         window = [t for t in self.token_times if now - t <= 5.0]
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         return {"ttft_s": mean(self.ttft), "itl_s": mean(self.itl), "tokens_per_s": len(window) / 5.0}
+
+
+def _http_cpu() -> int | None:
+    """The CPU the HTTP process goes to (the last one it may use), or None: not Linux, one CPU, or the user placed
+    OpenMP's threads."""
+    if not hasattr(os, "sched_setaffinity") or any(name in os.environ for name in BINDING):
+        return None
+    cpus = os.sched_getaffinity(0)
+    return max(cpus) if len(cpus) > 1 else None
+
+
+def _pin_process(cpu: int) -> None:
+    """All of this process's threads to one CPU (os.sched_setaffinity(0) moves only the calling thread)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """os.environ with some variables set, for a child process started inside; the old values after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,33 @@
+"""Prompts to token ids: text through the tokenizer, token ids as given, a chat through the model's template.
+
+The engine holds one; so does the HTTP process, which tokenizes without the model (see kvserve.server.engine_core)."""
+from __future__ import annotations
+
+from kvserve.engine.detokenizer import SerialTokenizer
+from kvserve.errors import KVServeError
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: SerialTokenizer | None, model: str):
+        self.tokenizer, self.model = tokenizer, model
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt; chat-templated text passes add_special_tokens=False (the template has them)."""
+        if not isinstance(prompt, str):
+            if not isinstance(prompt, (list, tuple)):
+                raise KVServeError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
+            return list(prompt)
+        if self.tokenizer is None:
+            raise KVServeError(f"{self.model} has no tokenizer; pass prompts as lists of token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The conversation as prompt text, ending where the assistant's answer starts."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise KVServeError(f"{self.model} has no chat template")
+        if not messages:
+            raise KVServeError("messages must not be empty")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # templates raise jinja errors for conversations they do not accept
+            raise KVServeError(f"the chat template rejected these messages: {e}") from e
