@@ -160,22 +160,23 @@ class AsyncEngine:
             self._died()
 
     def _receive(self) -> None:
-        """Everything the engine has sent so far."""
+        """A message from the engine; the event loop calls again while more wait (no Connection.poll, which builds a
+        selector a call)."""
         try:
-            while self._alive and self.events.poll():
-                message = self.events.recv()
-                if message[0] == "step":
-                    self._deliver(*message[1:])
-                elif message[0] == "reply":
-                    future = self._replies.pop(message[1])
-                    if not future.done():
-                        future.set_result(message[2])
-                elif message[0] == "lost":
-                    for request_id, error in message[1]:
-                        self._last.pop(request_id, None)
-                        self._put(request_id, EngineDeadError(error))
+            message = self.events.recv()
         except (EOFError, OSError):
             self._died()
+            return
+        if message[0] == "step":
+            self._deliver(*message[1:])
+        elif message[0] == "reply":
+            future = self._replies.pop(message[1])
+            if not future.done():
+                future.set_result(message[2])
+        elif message[0] == "lost":
+            for request_id, error in message[1]:
+                self._last.pop(request_id, None)
+                self._put(request_id, EngineDeadError(error))
 
     def _deliver(self, wired: list[tuple], stats: dict | None, aborted: int) -> None:
         now, m, outputs, last = time.perf_counter(), self.metrics, [], self._last

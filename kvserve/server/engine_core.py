@@ -11,6 +11,7 @@ To the engine: ("add", key, [(request_id, token_ids, params), ...]), ("abort", r
 from __future__ import annotations
 
 import logging
+import select
 import signal
 import time
 from collections.abc import Callable
@@ -95,6 +96,8 @@ class EngineCore:
         self._flushed = 0.0  # when stats were last sent
         self._aborted = 0  # requests aborted since stats were last sent
         self._started: set[str] = set()  # requests that have sent outputs and not finished
+        self._arrived = select.poll()  # Connection.poll builds a selector a call: tens of us a step
+        self._arrived.register(commands.fileno(), select.POLLIN)
 
     def run(self) -> None:
         engine = self.engine
@@ -113,7 +116,7 @@ class EngineCore:
     def _handle_commands(self, block: bool) -> bool:
         """Handle what has come (when idle, wait for something); False once told to stop or the other end is gone."""
         try:
-            while self.commands.poll(None if block else 0):
+            while self._arrived.poll(None if block else 0):
                 block = False
                 if not self._handle(self.commands.recv()):
                     return False
