@@ -29,6 +29,14 @@ class SlowEngine(LLMEngine):
         return super().step()
 
 
+class PausingEngine(LLMEngine):
+    """Half a second before each step: what a test sends meanwhile arrives while a step runs."""
+
+    def step(self):
+        time.sleep(0.5)
+        return super().step()
+
+
 class FailingEngine(LLMEngine):
     """A stand-in for a bug: every step holding a request that asks for 13 tokens raises."""
 

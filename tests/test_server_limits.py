@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server_utils import FailingEngine, SlowEngine, free_port, kv_usage, running_server
+from tests.conftest import save_tiny_llama
+from tests.server_utils import FailingEngine, PausingEngine, SlowEngine, free_port, kv_usage, running_server
 
 BODY = {"model": "test-model", "prompt": [1, 2, 3, 4], "max_tokens": 3, "ignore_eos": True}
 
@@ -104,6 +105,21 @@ def test_a_dead_engine_process_fails_health_and_requests(tiny_model_dir):
             time.sleep(0.05)
         r = httpx.post(f"{url}/v1/completions", json=BODY)
         assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+
+
+def test_a_big_request_and_big_outputs_crossing_at_once_do_not_deadlock(tmp_path):
+    """A 40,000-token prompt (~80 KB down the pipe) sent while the engine makes another's prompt logprobs (MBs back):
+    the HTTP process must go on reading the engine's outputs while the request waits to be written, or both ends
+    block on full pipes."""
+    save_tiny_llama(tmp_path, max_position_embeddings=65536)
+    body = {**BODY, "max_tokens": 1, "echo": True, "logprobs": 1, "prompt": [7] * 40_000}
+    post = lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=60)  # noqa: E731
+    with running_server(str(tmp_path), make_engine=PausingEngine, kv_cache_memory="64MiB",
+                        max_num_batched_tokens=40_960) as (url, _), ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post)
+        time.sleep(0.25)  # into the first one's step, which sends its prompt's logprobs when it ends
+        answers = [pool.submit(post).result(), first.result()]
+    assert [len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) for r in answers] == [40_001, 40_001]
 
 
 def test_sigterm_shuts_down_cleanly(tiny_model_dir):

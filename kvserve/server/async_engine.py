@@ -15,6 +15,8 @@ import contextlib
 import itertools
 import multiprocessing
 import os
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +33,12 @@ BINDING = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
 
 class AsyncEngine:
     def __init__(self, process, commands, events, facts: EngineFacts, metrics: Metrics, max_waiting: int):
-        self.process, self.commands, self.events = process, commands, events
+        self.process, self.events = process, events
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands, written by a thread of their own: a
+        # prompt bigger than the pipe holds would block the event loop until the engine read it, while the engine
+        # could be blocked writing outputs bigger than the pipe holds, which only the event loop reads
+        self._writer = threading.Thread(target=_write, args=(self._outbox, commands), name="kvserve-commands", daemon=True)
+        self._writer.start()
         self.facts, self.metrics, self.max_waiting = facts, metrics, max_waiting
         self._streams: dict[str, asyncio.Queue] = {}
         self._last: dict[str, RequestOutput] = {}  # each running request's latest output, which the next one extends
@@ -81,15 +88,15 @@ class AsyncEngine:
         """Deliver the engine's messages on this event loop, which all requests' streams use."""
         self._loop = loop
         loop.add_reader(self.events.fileno(), self._receive)
+        os.set_blocking(self.events.fileno(), True)  # uvloop made it non-blocking; a message can outgrow the pipe
 
     def stop(self) -> None:
         """Stop the engine process (after the step in progress) and wait for it; again, nothing more."""
         if self._alive:
             self._alive = False
-            try:
-                self.commands.send(("stop",))
-            except OSError:
-                pass
+            self._outbox.put(("stop",))
+        self._outbox.put(None)
+        self._writer.join(timeout=30)
         self._detach()
         self.process.join(timeout=30)
         if self.process.is_alive():
@@ -152,12 +159,8 @@ class AsyncEngine:
         return result
 
     def _send(self, command: tuple) -> None:
-        if not self._alive:
-            return
-        try:
-            self.commands.send(command)
-        except OSError:
-            self._died()
+        if self._alive:
+            self._outbox.put(command)
 
     def _receive(self) -> None:
         """A message from the engine; the event loop calls again while more wait (no Connection.poll, which builds a
@@ -270,6 +273,15 @@ class RecentStats:
         window = [t for t in self.token_times if now - t <= 5.0]
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         return {"ttft_s": mean(self.ttft), "itl_s": mean(self.itl), "tokens_per_s": len(window) / 5.0}
+
+
+def _write(outbox: queue.SimpleQueue, commands) -> None:
+    """Send the commands put in `outbox` until None (or the engine is gone: the event loop sees its pipe close)."""
+    while (command := outbox.get()) is not None:
+        try:
+            commands.send(command)
+        except OSError:
+            return
 
 
 def _http_cpu() -> int | None:
