@@ -96,12 +96,12 @@ class AsyncEngine:
             self._alive = False
             self._outbox.put(("stop",))
         self._outbox.put(None)
-        self._writer.join(timeout=30)
         self._detach()
         self.process.join(timeout=30)
-        if self.process.is_alive():
+        if self.process.is_alive():  # stuck, or blocked writing outputs no one reads now
             self.process.kill()
             self.process.join()
+        self._writer.join()  # its last send has gone, or failed with the process gone
 
     def _detach(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
