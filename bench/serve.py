@@ -6,6 +6,8 @@ concurrency is measured in this same run, on prompts alike; the last lines are t
 16: one client should stream as fast as the offline engine decodes). One client and the offline engine at batch 1
 take turns, `--rounds` times (both loaded, the idle one waiting): the machine's slow spells fall on both alike, and
 the ratio is the median of the turns' ratios (medians taken apart could pair one's slow turn with the other's fast one).
+Each line also gives the CPU a token took in the load generator and in the server's HTTP process (its engine runs in a
+child process; on 2 cores both share the cores the engine computes on).
 
     python bench/serve.py [--concurrency 1,8,32] [--prompt-len 64] [--new-tokens 64] [--rounds 3]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import statistics
@@ -63,19 +66,29 @@ async def one_request(host: str, port: int, prompt: list[int], new_tokens: int) 
     return arrivals[0] - start, gaps, tokens
 
 
-async def load(host: str, port: int, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
+def process_cpu(pid: int) -> float:
+    """Seconds of CPU a process has used (Linux's /proc; NaN elsewhere)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+async def load(host: str, port: int, prompts: list[list[int]], new_tokens: int, concurrency: int, server_pid: int) -> dict:
     limit = asyncio.Semaphore(concurrency)
 
     async def bounded(prompt):
         async with limit:
             return await one_request(host, port, prompt, new_tokens)
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu, http = time.perf_counter(), time.process_time(), process_cpu(server_pid)
     results = await asyncio.gather(*(bounded(p) for p in prompts))
-    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    seconds, cpu, http = time.perf_counter() - start, time.process_time() - cpu, process_cpu(server_pid) - http
     ttft = [r[0] for r in results]
     itl = [g for r in results for g in r[1]]
     tokens = sum(r[2] for r in results)
-    return {"tokens_per_s": tokens / seconds, "ttft": ttft, "itl": itl, "client_us": cpu / max(tokens, 1) * 1e6}
+    return {"tokens_per_s": tokens / seconds, "ttft": ttft, "itl": itl, "client_us": cpu / max(tokens, 1) * 1e6,
+            "http_us": http / max(tokens, 1) * 1e6}
 
 
 def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
@@ -136,11 +149,11 @@ def main() -> None:
         for c in levels:
             if c != 1:
                 prompts = make(num_requests(c))
-                rows.append((c, len(prompts), asyncio.run(load("127.0.0.1", port, prompts, args.new_tokens, c))))
+                rows.append((c, len(prompts), asyncio.run(load("127.0.0.1", port, prompts, args.new_tokens, c, server.pid))))
                 continue
             for _ in range(args.rounds):  # one client and the offline engine at batch 1, in turns, on the same prompts
                 prompts = make(num_requests(1))
-                turns.append((asyncio.run(load("127.0.0.1", port, prompts, args.new_tokens, 1)),
+                turns.append((asyncio.run(load("127.0.0.1", port, prompts, args.new_tokens, 1, server.pid)),
                               offline_rate(llm, prompts, 1, args.new_tokens)))
     finally:
         server.terminate()
@@ -157,7 +170,7 @@ def main() -> None:
         print(f"  concurrency {c:3d} ({n:3d} requests): {r['tokens_per_s']:7.1f} output tok/s   "
               f"TTFT p50 {percentile(r['ttft'], .5) * 1000:7.0f} ms  p99 {percentile(r['ttft'], .99) * 1000:7.0f} ms   "
               f"ITL p50 {percentile(r['itl'], .5) * 1000:6.2f} ms  p99 {percentile(r['itl'], .99) * 1000:6.2f} ms   "
-              f"client CPU {r['client_us']:4.0f} us/token")
+              f"CPU a token: client {r['client_us']:4.0f} us, HTTP process {r['http_us']:4.0f} us")
     for batch, (rate, itl) in offline.items():
         streamed = f"   ITL p50 {itl * 1000:6.2f} ms" if batch == 1 else ""
         print(f"  offline engine, batch {batch:3d} ({num_requests(batch):3d} requests): {rate:7.1f} output tok/s{streamed}")
