@@ -122,6 +122,20 @@ def test_a_big_request_and_big_outputs_crossing_at_once_do_not_deadlock(tmp_path
     assert [len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) for r in answers] == [40_001, 40_001]
 
 
+def test_a_dropped_stream_whose_step_was_running_leaves_the_others_whole(tiny_model_dir):
+    """A client leaves while the engine runs a step that still has its request: that step's outputs must still reach
+    the other requests in it (the HTTP process dropped the left one's state when its stream closed)."""
+    body = {**BODY, "max_tokens": 4, "stream": True}
+    with running_server(str(tiny_model_dir), make_engine=PausingEngine) as (url, _), ThreadPoolExecutor(1) as pool:
+        def whole() -> list[str]:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+                return [line for line in r.iter_lines() if line.startswith("data: {")]
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "max_tokens": 40}, timeout=30) as r:
+            other = pool.submit(whole)  # added while the first one's first step runs: the next steps hold both
+            next(line for line in r.iter_lines() if line.startswith("data: {"))  # then leave, mid-step
+        assert len(other.result()) == 4
+
+
 def test_sigterm_shuts_down_cleanly(tiny_model_dir):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--model", str(tiny_model_dir),

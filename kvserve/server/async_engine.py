@@ -182,20 +182,19 @@ class AsyncEngine:
                 self._put(request_id, EngineDeadError(error))
 
     def _deliver(self, wired: list[tuple], stats: dict | None, aborted: int) -> None:
-        now, m, outputs, last = time.perf_counter(), self.metrics, [], self._last
+        now, m, last = time.perf_counter(), self.metrics, self._last
         for item in wired:
-            request_id = item[0]
-            out = from_wire(item, last.pop(request_id, None))
-            outputs.append(out)
-            if request_id not in self._streams:  # its client left, perhaps before its stream was read
-                if not out.finished:
+            request_id, finished, completions = item[:3]
+            self._new_tokens += sum(len(c[1]) for c in completions)  # each completion's new token ids
+            if request_id not in self._streams:  # its client left (its last output went with its stream), perhaps
+                if not finished:  # before its stream was read
                     self._send(("abort", request_id))
                 continue
+            out = from_wire(item, last.pop(request_id, None))
             if not out.finished:
                 last[request_id] = out
             self._record(out, now)
             self._put(request_id, out)
-        self._new_tokens += sum(len(c.new_token_ids) for out in outputs for c in out.outputs)
         for _ in range(aborted):
             m.record_finished("abort")
         if stats is not None:
