@@ -21,20 +21,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class SlowEngine(LLMEngine):
-    """5 ms a step at least: the tiny model could finish a request before a test's next one arrives."""
-
-    def step(self):
-        time.sleep(0.005)
-        return super().step()
-
-
 class PausingEngine(LLMEngine):
     """Half a second before each step: what a test sends meanwhile arrives while a step runs."""
 
+    pause = 0.5
+
     def step(self):
-        time.sleep(0.5)
+        time.sleep(self.pause)
         return super().step()
+
+
+class SlowEngine(PausingEngine):
+    """5 ms a step at least: the tiny model could finish a request before a test's next one arrives."""
+
+    pause = 0.005
 
 
 class FailingEngine(LLMEngine):

@@ -110,8 +110,7 @@ class EngineCore:
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            if outputs or time.perf_counter() - self._flushed >= STATS_PERIOD_S:
-                self._send_step(outputs, any(out.finished for out in outputs))
+            self._send_step(outputs, any(out.finished for out in outputs))
 
     def _handle_commands(self, block: bool) -> bool:
         """Handle what has come (when idle, wait for something); False once told to stop or the other end is gone."""
@@ -157,11 +156,14 @@ class EngineCore:
         return None
 
     def _send_step(self, outputs: list[RequestOutput], flush: bool) -> None:
+        """The step's outputs, with the stats when `flush` or when they are due; nothing when neither has anything."""
         stats = None
         if flush or time.perf_counter() - self._flushed >= STATS_PERIOD_S:
             engine, self._flushed = self.engine, time.perf_counter()
             stats = {"scheduler": engine.scheduler.stats, "usage": engine.kv_manager.usage(),  # the pool only: a Redis
                      "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting)}  # tier's counts cost round trips
+        elif not outputs:
+            return
         started = self._started
         wired = [to_wire(out, out.request_id not in started) for out in outputs]
         for out in outputs:
