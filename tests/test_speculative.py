@@ -749,32 +749,6 @@ def test_distill_answers_past_the_prompts_are_sampled_rounds(smollm2, monkeypatc
     assert [tokens[i] for i in follows[:11]] == text.ids[1:12]  # the greedy round: each state gave the next token
 
 
-def test_distill_invented_prompts_are_user_turns_the_model_wrote_and_ended(smollm2):
-    """--invent: requests sampled from the model's chat template opened at a user turn, a seed each, kept where the
-    model ended the turn itself; `answers` answers them beside the built-in prompts."""
-    from kvserve.spec_decode import distill
-
-    prompts = distill.invented_prompts(smollm2, 3, seed=0, max_tokens=48)
-    assert len(set(prompts)) == 3 and all(len(p) >= 16 for p in prompts)
-    template = smollm2.apply_chat_template([{"role": "user", "content": "\x00"}])
-    opening = template[:template.index("\x00")]
-    first = smollm2.generate([opening] * 14, [SamplingParams(temperature=1.0, max_tokens=48, seed=s) for s in range(14)], use_tqdm=False)
-    ended = [o.outputs[0].text.strip() for o in first if o.outputs[0].finish_reason == "stop"]
-    assert prompts == [t for t in ended if len(t) >= 16 and sum(map(str.isascii, t)) >= 0.98 * len(t)][:3]  # the first batch's, in order
-    with pytest.raises(KVServeError, match="--invent adds prompts for the model's --answers"):
-        distill.distill(distill.DistillSettings(invent=5))
-
-
-def test_distill_answers_answer_the_invented_prompts(smollm2, monkeypatch):
-    from kvserve.spec_decode import distill
-
-    monkeypatch.setattr(distill, "TOPICS", [])  # no built-in prompts: the invented ones alone
-    ids = distill.answers(smollm2, 2, seed=0, max_tokens=4, invent=2).ids
-    chats = [smollm2.engine.tokenize(smollm2.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-             for p in distill.invented_prompts(smollm2, 2, seed=0)]
-    assert sum(ids[a:a + len(c)] == c for c in chats for a in range(len(ids))) == 2  # each asked once
-
-
 def test_distill_prompts_are_distinct_and_not_the_benchmarks():
     """--answers N up to the prompts' number are N greedy answers to N different prompts, none on a topic of the
     benchmark's open generation."""

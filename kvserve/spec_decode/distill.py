@@ -56,7 +56,6 @@ class DistillSettings:
     temperature: float = 2.0
     text: str | None = None  # a file; None: Python's own documentation (unless `answers`)
     answers: int = 0  # > 0: the text is the target's own answers to this many built-in chat prompts (greedy, then sampled rounds)
-    invent: int = 0  # with answers: this many more prompts, user requests the target writes itself, join the built-in ones
     vocab: int = 8192  # tokens the draft's LM head covers (the text's most frequent, then the lowest ids); 0: all
     eval_windows: int = 8  # held-out windows (the text's start) for perplexity and KL
     acceptance_prompts: int = 4  # held-out prompts for the draft's acceptance rate
@@ -77,7 +76,7 @@ class Text:
 def distill(settings: DistillSettings, token_ids: list[int] | None = None, progress: bool = True) -> dict:
     """Prune and distill (or with `eagle`, train a feature draft) and save; returns the report (losses,
     perplexity and KL before and after, acceptance)."""
-    for name, low in (("answers", 0), ("invent", 0), ("vocab", 0), ("mlp", 0), ("steps", 1), ("batch", 1), ("seq_len", 2)):
+    for name, low in (("answers", 0), ("vocab", 0), ("mlp", 0), ("steps", 1), ("batch", 1), ("seq_len", 2)):
         if getattr(settings, name) < low:
             raise KVServeError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(settings, name)}")
     for name in ("lr", "temperature"):
@@ -87,8 +86,6 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
         raise KVServeError(f"--depth must be 1..8, got {settings.depth}")
     if settings.answers and settings.text:
         raise KVServeError("distill on --text or on the model's --answers, not both")
-    if settings.invent and not settings.answers:
-        raise KVServeError("--invent adds prompts for the model's --answers: give --answers N too")
     torch.manual_seed(settings.seed)
     teacher = LLM(settings.model, max_num_batched_tokens=max(512, settings.batch * settings.seq_len))
     width = teacher.engine.checkpoint.config.intermediate_size
@@ -399,7 +396,7 @@ def _text(teacher: LLM, settings: DistillSettings, progress: bool) -> Text:
     from kvserve.eval.text import load_text
 
     if settings.answers:
-        return answers(teacher, settings.answers, settings.seed, states=settings.eagle, progress=progress, invent=settings.invent)
+        return answers(teacher, settings.answers, settings.seed, states=settings.eagle, progress=progress)
     return Text(teacher.engine.tokenize(load_text(settings.text), add_special_tokens=False))
 
 
@@ -447,15 +444,13 @@ def chat_prompts() -> list[str]:
     return [task.format(topic) for topic in TOPICS for task in TASKS]
 
 
-def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: bool = False, progress: bool = False,
-            invent: int = 0) -> Text:
+def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: bool = False, progress: bool = False) -> Text:
     """Chat prompts on built-in topics with the target's answers, as token ids: the text a draft is asked to predict
     when it serves chat (on-policy distillation, as DistillSpec's). The first answer to each prompt is greedy; past
     the prompts' number, each further round samples them (temperature 0.8, seeded), so no answer repeats.
-    `invent` more prompts, requests the target writes itself (invented_prompts), join the built-in ones before
-    they are shuffled. With `states`, each answer's positions only (from its prompt's last token on), each with the
-    hidden state the target generated the next token from: the positions a feature draft guesses at."""
-    prompts = chat_prompts() + (invented_prompts(teacher, invent, seed, progress=progress) if invent else [])
+    With `states`, each answer's positions only (from its prompt's last token on), each with the hidden state the
+    target generated the next token from: the positions a feature draft guesses at."""
+    prompts = chat_prompts()
     random.Random(seed).shuffle(prompts)
     chats = [teacher.engine.tokenize(teacher.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
              for p in prompts[:count]]
@@ -490,28 +485,6 @@ def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: 
         if stop is not None:
             stop()
     return Text(ids, torch.cat(kept), torch.tensor(starts)) if states else Text(ids)
-
-
-def invented_prompts(teacher: LLM, count: int, seed: int, max_tokens: int = 96, progress: bool = False) -> list[str]:
-    """`count` distinct user requests that the target writes itself (self-instruct's prompts, far more varied than
-    the built-in tasks on topics): its chat template opened at a user turn, sampled at temperature 1, a seed each;
-    kept where it ended the turn itself, in at least 16 characters, nearly all ASCII."""
-    marker = "\x00"
-    template = teacher.apply_chat_template([{"role": "user", "content": marker}])
-    opening = template[:template.index(marker)]
-    kept: dict[str, None] = {}
-    tried = 0
-    while len(kept) < count and tried < 8 * count + 64:  # 2/3 are kept (SmolLM2): one batch nearly fills it
-        n = 2 * (count - len(kept)) + 8
-        params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed + tried + i) for i in range(n)]
-        for out in teacher.generate([opening] * n, params, use_tqdm=progress):
-            text = out.outputs[0].text.strip()
-            if out.outputs[0].finish_reason == "stop" and len(text) >= 16 and sum(map(str.isascii, text)) >= 0.98 * len(text):
-                kept.setdefault(text)
-        tried += n
-    if len(kept) < count:
-        raise KVServeError(f"the model wrote {len(kept)} usable requests in {tried} tries, short of --invent {count}")
-    return list(kept)[:count]
 
 
 def _teacher_logprobs(teacher: LLM, windows: list[list[int]]) -> torch.Tensor:
