@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvserve import LLM
-from kvserve.models.gguf_convert import _GEMMA3_NAMES, _GLOBAL_NAMES, _LAYER_NAMES
+from kvserve.models.gguf_convert import _GEMMA3_NAMES, _GLOBAL_NAMES, _LAYER_NAMES, copy_without_tokenizer
+from kvserve.models.loader import transformers_model
 from tests.conftest import FP32, save_tiny
 
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -42,6 +43,8 @@ def write_gguf(path, arch: str, hf, qtype: str = "F32") -> None:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters.get("full_attention", cfg.rope_parameters)["rope_theta"])
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    writer.add_token_scores([0.0] * cfg.vocab_size)
+    writer.add_bos_token_id(1)
     if arch == "gemma3":
         writer.add_sliding_window(cfg.sliding_window)
     names = {v: k for k, v in (_GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES).items()}
@@ -110,6 +113,36 @@ def test_gguf_file_loads_with_the_transformers_logits(tmp_path, monkeypatch, cas
     assert chosen == pytest.approx(expected.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0].tolist(), abs=1e-4)
     if arch == "llama":  # the factors matter: without them the logits differ
         assert not math.isclose(float(hf.model.rotary_emb.inv_freq[-1]), 1e4 ** (-(hf.config.head_dim - 2) / hf.config.head_dim))
+
+
+@pytest.mark.parametrize("case", ["gemma3", "llama-3.1-rope-freqs"])
+def test_a_copy_without_the_tokenizers_arrays_keeps_the_rest(tmp_path, case):
+    """What transformers reads as the reference (a GGUF's tokenizer arrays would cost it seconds): every tensor and
+    every other entry as they were, the vocabulary's size as an entry; transformers' model of it is the file's."""
+    import gguf
+
+    arch, model_type, overrides = CASES[case]
+    hf = save_tiny(tmp_path / "hf", model_type, **overrides)
+    round_weights(hf, "Q8_0")
+    write_gguf(tmp_path / "full.gguf", arch, hf, "Q8_0")
+    copy_without_tokenizer(tmp_path / "full.gguf", tmp_path / "light.gguf")
+    full, light = gguf.GGUFReader(tmp_path / "full.gguf"), gguf.GGUFReader(tmp_path / "light.gguf")
+    dropped = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores"}
+    assert set(light.fields) == set(full.fields) - dropped | {f"{arch}.vocab_size"}
+    assert light.fields[f"{arch}.vocab_size"].contents() == hf.config.vocab_size
+    kept = {k for k in full.fields if k not in dropped and k != "GGUF.kv_count"}  # the reader lists the header too
+    assert all(light.fields[k].contents() == full.fields[k].contents() for k in kept)
+    assert light.fields["tokenizer.ggml.bos_token_id"].contents() == 1
+    assert [(t.name, t.tensor_type, t.data.tobytes()) for t in light.tensors] == [
+        (t.name, t.tensor_type, t.data.tobytes()) for t in full.tensors]
+    from transformers import AutoModelForCausalLM
+
+    direct = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="full.gguf")
+    via_copy = transformers_model(tmp_path / "full.gguf")
+    assert via_copy.config.vocab_size == direct.config.vocab_size == hf.config.vocab_size
+    prompt = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(via_copy(prompt).logits, direct(prompt).logits, atol=0, rtol=0)
 
 
 def _greedy_with_logprobs(n: int):

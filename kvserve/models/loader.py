@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.errors import KVServeError
 from kvserve.layers.quantized import GGUFTensor
-from kvserve.models.gguf_convert import TYPES_KEY, converted_dir
+from kvserve.models.gguf_convert import TYPES_KEY, converted_dir, copy_without_tokenizer
 from kvserve.models.registry import resolve_model_path
 
 
@@ -75,9 +76,12 @@ def transformers_model(path: Path, dtype: torch.dtype = torch.float32):
     is compared with, and the start of a distilled draft."""
     from transformers import AutoModelForCausalLM
 
-    if path.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if path.suffix != ".gguf":
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    with tempfile.TemporaryDirectory() as tmp:  # the tokenizer's arrays would cost transformers seconds, twice
+        light = Path(tmp) / path.name
+        copy_without_tokenizer(path, light)
+        return AutoModelForCausalLM.from_pretrained(light.parent, gguf_file=light.name, dtype=dtype)
 
 
 def _weights_dir(checkpoint: Checkpoint) -> Path:
