@@ -1,5 +1,6 @@
 """The HTTP process's tokenizer (the engine's process has its own) is never entered by two calls at once, however many
-requests come together: transformers' fast tokenizers change shared state on every encode."""
+requests come together, nor is a SerialTokenizer that threads share: transformers' fast tokenizers change shared
+state on every encode."""
 from __future__ import annotations
 
 import sys
@@ -8,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from kvserve.engine.detokenizer import SerialTokenizer
+from kvserve.models.loader import open_checkpoint
 from tests.conftest import FP32
 from tests.server_utils import running_server
 
@@ -39,15 +42,40 @@ class Watch:
 def _request(url: str, i: int) -> int:
     kind = i % 4
     if kind == 0:
-        body = {"model": "test-model", "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 32,
+        body = {"model": "test-model", "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 8,
                 "stream": i % 8 == 0, "ignore_eos": True}
         return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code
     if kind == 1:
-        body = {"model": "test-model", "prompt": f"Number {i} is", "max_tokens": 32, "logprobs": 1, "ignore_eos": True}
+        body = {"model": "test-model", "prompt": f"Number {i} is", "max_tokens": 8, "logprobs": 1, "ignore_eos": True}
         return httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code
     if kind == 2:
-        return httpx.post(f"{url}/tokenize", json={"prompt": "many words, " * 200 * i}, timeout=120).status_code
+        return httpx.post(f"{url}/tokenize", json={"prompt": "many words, " * 20 * i}, timeout=120).status_code
     return httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi " * i}]}, timeout=120).status_code
+
+
+def _overlaps(tokenizer_of) -> int:
+    """Overlapping calls into the SmolLM2 tokenizer when 8 threads encode and decode through `tokenizer_of(watch)`."""
+    watch = Watch(open_checkpoint("smollm2-135m").tokenizer)
+    tokenizer = tokenizer_of(watch)
+
+    def work(i: int) -> None:
+        for j in range(50):
+            tokenizer.decode(tokenizer.encode(f"thread {i} says {j} " * 20))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(work, range(8)))
+    finally:
+        sys.setswitchinterval(interval)
+    assert watch.calls == 8 * 50 * 2
+    return watch.overlaps
+
+
+def test_threads_sharing_a_serial_tokenizer_take_turns():
+    """A caller's threads may share an LLM and so its tokenizer; the bare tokenizer shows the watch sees overlaps."""
+    assert _overlaps(lambda t: t) > 0
+    assert _overlaps(SerialTokenizer) == 0
 
 
 def test_100_concurrent_requests_never_share_the_tokenizer_at_once():
