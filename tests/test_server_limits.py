@@ -111,7 +111,7 @@ def test_a_big_request_and_big_outputs_crossing_at_once_do_not_deadlock(tmp_path
     """A 40,000-token prompt (~80 KB down the pipe) sent while the engine makes another's prompt logprobs (MBs back):
     the HTTP process must go on reading the engine's outputs while the request waits to be written, or both ends
     block on full pipes."""
-    save_tiny_llama(tmp_path, max_position_embeddings=65536)
+    save_tiny_llama(tmp_path, max_position_embeddings=65536, num_hidden_layers=1)  # one layer: the pipes matter, not the model
     body = {**BODY, "max_tokens": 1, "echo": True, "logprobs": 1, "prompt": [7] * 40_000}
     post = lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=60)  # noqa: E731
     with running_server(str(tmp_path), make_engine=PausingEngine, kv_cache_memory="64MiB",

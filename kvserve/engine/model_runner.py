@@ -326,14 +326,16 @@ def _group(rows: np.ndarray, starts, counts, offsets, tables: list[np.ndarray], 
     keys = {}  # window -> (first block, mask)
     for window in set(windows):
         first = 0 if window is None else max(0, int(seen[:, 0].min()) - window + 1) // bs
+        if from_start and (window is None or width <= window):  # causal from position 0: no mask to build (a
+            keys[window] = first, None  # 40,000-token prompt's would take GBs and seconds)
+            continue
         key_pos = np.arange(first * bs, num_blocks * bs)[None, None, :]
         allowed = key_pos <= query_pos if window is None else (key_pos <= query_pos) & (key_pos > seen - window)
         if skips is not None:
             back = query_pos - 1 - key_pos
             bit = np.clip(back, 0, 63).astype(np.uint64)
             allowed &= ~((back >= 0) & (back < 64) & ((skips.view(np.uint64)[:, None, None] >> bit) & np.uint64(1)).astype(bool))
-        implicit = (from_start and (window is None or width <= window)) or bool(allowed.all())
-        keys[window] = first, None if implicit else torch.from_numpy(allowed[:, None])
+        keys[window] = first, None if bool(allowed.all()) else torch.from_numpy(allowed[:, None])
     tensor = torch.from_numpy
     return QueryGroup(tensor(query_index), tensor(valid_at),
                       [tensor(np.ascontiguousarray(t[rows, keys[w][0]:num_blocks])) for t, w in zip(tables, windows)],
