@@ -19,6 +19,7 @@ from kvserve.kv.formats import FORMATS
 from kvserve.kv.formats.int8 import Int8Format
 
 CONTEXT, TOKENS = 256, 512
+SMALL_POOL = "matmul_dtype=float32,kv_cache_memory=32MiB"  # 720 tokens: a default pool is zeroed for seconds
 
 
 class SignFormat(Int8Format):
@@ -38,6 +39,7 @@ def report(tmp_path_factory):
     patch.setattr("kvserve.config.KV_CACHE_DTYPES", (*cli.KV_CACHE_DTYPES, "sign1"))
     out = tmp_path_factory.mktemp("eval")
     argv = ["eval", "--compare", "kv_cache_dtype=int8", "--compare", "kv_cache_dtype=sign1", "--context", str(CONTEXT),
+            "--base", SMALL_POOL,
             "--tokens", str(TOKENS), "--chunk", "64", "--passkey-lengths", "256", "--passkey-depths", "0,50",
             "--decode-tokens", "8", "--json", "--plot", str(out)]
     stdout = io.StringIO()  # capsys is per test; this fixture serves the module
