@@ -12,9 +12,9 @@ def test_cached_decode_equals_recomputation(smollm2):
     prompt = smollm2.engine.tokenize(smollm2.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}]),
                                      add_special_tokens=False)
     recompute = LLM("smollm2-135m", use_kv_cache=False, max_num_batched_tokens=512, **FP32)
-    cached_tokens, cached_logits = step_logits(smollm2, prompt, 64)
-    full_tokens, full_logits = step_logits(recompute, prompt, 64)
-    assert len(cached_tokens) == 64
+    cached_tokens, cached_logits = step_logits(smollm2, prompt, 32)  # recomputing costs O(tokens^2): 64 took 21 s
+    full_tokens, full_logits = step_logits(recompute, prompt, 32)
+    assert len(cached_tokens) == 32
     assert cached_tokens == full_tokens
     torch.testing.assert_close(cached_logits, full_logits, atol=5e-4, rtol=0)
     assert recompute.engine.kv_manager.pool.num_used == 0
