@@ -103,8 +103,9 @@ else:  # the same imports, the kernels and the tokenizer, no weights
 def test_resident_memory_is_about_the_file_plus_the_kv_pool():
     """RSS after loading SmolLM2, minus a process that imported the same and loaded only the tokenizer: under 1.5x
     the GGUF file plus the KV pool (an fp32 copy of the weights alone would be 5.5x the file)."""
-    (base, _), (loaded, pool) = ([int(n) for n in subprocess.run([sys.executable, "-c", RSS, which], check=True, capture_output=True,
-                                                                 text=True).stdout.split()] for which in ("base", "model"))
+    procs = [subprocess.Popen([sys.executable, "-c", RSS, which], stdout=subprocess.PIPE, text=True) for which in ("base", "model")]
+    (base, _), (loaded, pool) = ([int(n) for n in p.communicate()[0].split()] for p in procs)  # side by side: seconds each
+    assert [p.returncode for p in procs] == [0, 0]
     size = resolve_model_path("smollm2-135m").stat().st_size
     print(f"resident: {(loaded - base) / 2**20:.0f} MiB more than the baseline; file {size / 2**20:.0f} MiB, KV pool {pool / 2**20:.0f} MiB")
     assert loaded - base < 1.5 * size + pool
