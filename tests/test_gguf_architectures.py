@@ -100,6 +100,9 @@ def test_gguf_file_loads_with_the_transformers_logits(tmp_path, monkeypatch, cas
     write_gguf(tmp_path / "tiny.gguf", arch, hf, qtype)
     llm = LLM(str(tmp_path / "tiny.gguf"), kv_cache_memory="4MiB", block_size=4, **FP32)
     assert llm.engine.checkpoint.config.model_type == model_type
+    import gguf.gguf_reader
+
+    assert gguf.gguf_reader.np is np  # the conversion lent the reader plain arrays, and gave numpy back
     if qtype != "F32" and llm.engine.runner.native:  # CUDA dequantizes the file's weights once
         model = llm.engine.runner.model
         assert model.embed_tokens.qweight.types == [qtype]
