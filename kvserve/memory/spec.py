@@ -142,10 +142,10 @@ def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
 
 
 def spec_from_gguf(path: Path, name: str | None = None) -> ModelSpec:
-    import gguf
+    from kvserve.models.gguf_convert import read_gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        reader = read_gguf(path)
     except Exception as e:  # gguf raises bare ValueError/struct errors on a broken file
         raise KVServeError(f"cannot read GGUF file {path}: {e}") from e
 

@@ -105,6 +105,14 @@ def _convert(gguf_path: Path, out: Path) -> None:
         _convert_file(gguf_path, out)
 
 
+def read_gguf(path: Path):
+    """gguf's reader of a file, fast (see _plain_arrays)."""
+    import gguf
+
+    with _plain_arrays():
+        return gguf.GGUFReader(path)
+
+
 @contextlib.contextmanager
 def _plain_arrays():
     """gguf's reader (ours, and transformers' reading the tokenizer) parses a vocabulary value by value through
@@ -122,10 +130,9 @@ def _plain_arrays():
 
 
 def _convert_file(gguf_path: Path, out: Path) -> None:
-    import gguf
     from safetensors.torch import save_file
 
-    reader = gguf.GGUFReader(gguf_path)
+    reader = read_gguf(gguf_path)
     config = _hf_config(reader)
     arch = config["model_type"]
     tensors, types = {}, {}
