@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve import LLM
+from kvserve import LLM, KVServeError
 from kvserve.models.gguf_convert import _GEMMA3_NAMES, _GLOBAL_NAMES, _LAYER_NAMES, copy_without_tokenizer
 from kvserve.models.loader import transformers_model
 from tests.conftest import FP32, save_tiny
@@ -138,6 +138,9 @@ def test_a_copy_without_the_tokenizers_arrays_keeps_the_rest(tmp_path, case):
     assert light.fields["tokenizer.ggml.bos_token_id"].contents() == 1
     assert [(t.name, t.tensor_type, t.data.tobytes()) for t in light.tensors] == [
         (t.name, t.tensor_type, t.data.tobytes()) for t in full.tensors]
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(40))
+    with pytest.raises(KVServeError, match="not a GGUF file of version 2 or later"):
+        copy_without_tokenizer(tmp_path / "not.gguf", tmp_path / "out.gguf")
     from transformers import AutoModelForCausalLM
 
     direct = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="full.gguf")

@@ -268,6 +268,8 @@ def copy_without_tokenizer(src: Path, dst: Path) -> None:
     data = np.memmap(src, dtype=np.uint8, mode="r")
     buf = memoryview(data)
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if bytes(buf[:4]) != b"GGUF" or version < 2:  # version 1 counted in 32 bits
+        raise KVServeError(f"{src} is not a GGUF file of version 2 or later")
     pos, kept, keys, arch, vocab, alignment = 24, [], set(), None, None, 32
     for _ in range(n_kv):
         start = pos
