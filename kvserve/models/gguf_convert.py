@@ -8,6 +8,7 @@ dequantized, so the cache holds about the file's size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -101,38 +102,42 @@ def _file_digest(path: Path) -> str:
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
-    with _plain_arrays():
+    with fast_gguf():
         _convert_file(gguf_path, out)
 
 
 def read_gguf(path: Path):
-    """gguf's reader of a file, fast (see _plain_arrays)."""
+    """gguf's reader of a file, made fast (fast_gguf)."""
     import gguf
 
-    with _plain_arrays():
+    with fast_gguf():
         return gguf.GGUFReader(path)
 
 
 @contextlib.contextmanager
-def _plain_arrays():
-    """gguf's reader (ours, and transformers' reading the tokenizer) parses a vocabulary value by value through
-    views of a numpy.memmap, whose subclass makes each view cost 3x a plain array's: Gemma 3's 262k tokens took
-    ~18 s a reading. A plain array over the same map, while converting."""
+def fast_gguf():
+    """The gguf package without two of its costs, while kvserve or transformers reads a file through it. Its reader
+    parses a vocabulary value by value through views of a numpy.memmap, whose subclass makes each view cost 3x a
+    plain array's (Gemma 3's 262k tokens: ~18 s a reading): it gets a plain array over the same map. transformers
+    builds gguf's tensor-name map (a function of the architecture and layer count) again for every module of the
+    model (6 of the 10 s SmolLM2 took to load): it is built once."""
+    import gguf
     import gguf.gguf_reader as reader
 
-    numpy = reader.np
-    reader.np = types.SimpleNamespace(**vars(numpy))
-    reader.np.memmap = lambda *args, **kwargs: numpy.memmap(*args, **kwargs).view(numpy.ndarray)
+    numpy, name_map = reader.np, gguf.get_tensor_name_map
+    reader.np = types.SimpleNamespace(**{**vars(numpy), "memmap": lambda *a, **kw: numpy.memmap(*a, **kw).view(numpy.ndarray)})
+    gguf.get_tensor_name_map = functools.cache(name_map)
     try:
         yield
     finally:
-        reader.np = numpy
+        reader.np, gguf.get_tensor_name_map = numpy, name_map
 
 
 def _convert_file(gguf_path: Path, out: Path) -> None:
+    import gguf
     from safetensors.torch import save_file
 
-    reader = read_gguf(gguf_path)
+    reader = gguf.GGUFReader(gguf_path)  # under fast_gguf
     config = _hf_config(reader)
     arch = config["model_type"]
     tensors, types = {}, {}

@@ -1,8 +1,6 @@
 """Load a model argument into a ModelConfig, its weights and its tokenizer."""
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import json
 import tempfile
@@ -14,7 +12,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.errors import KVServeError
 from kvserve.layers.quantized import GGUFTensor
-from kvserve.models.gguf_convert import TYPES_KEY, converted_dir, copy_without_tokenizer
+from kvserve.models.gguf_convert import TYPES_KEY, converted_dir, copy_without_tokenizer, fast_gguf
 from kvserve.models.registry import resolve_model_path
 
 
@@ -80,24 +78,10 @@ def transformers_model(path: Path, dtype: torch.dtype = torch.float32):
 
     if path.suffix != ".gguf":
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    with tempfile.TemporaryDirectory() as tmp, _gguf_name_maps_cached():  # the tokenizer's arrays would cost
-        light = Path(tmp) / path.name  # transformers seconds, twice
+    with tempfile.TemporaryDirectory() as tmp, fast_gguf():  # the tokenizer's arrays would cost transformers
+        light = Path(tmp) / path.name  # seconds, twice
         copy_without_tokenizer(path, light)
         return AutoModelForCausalLM.from_pretrained(light.parent, gguf_file=light.name, dtype=dtype)
-
-
-@contextlib.contextmanager
-def _gguf_name_maps_cached():
-    """transformers builds gguf's tensor-name map (a function of the architecture and layer count) again for every
-    module of the model: 6 of the 10 s SmolLM2's takes to load."""
-    import gguf
-
-    build = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.cache(build)
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = build
 
 
 def _weights_dir(checkpoint: Checkpoint) -> Path:
