@@ -15,6 +15,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 import types
 from pathlib import Path
 
@@ -114,6 +115,9 @@ def read_gguf(path: Path):
         return gguf.GGUFReader(path)
 
 
+_GGUF_PATCHED = threading.Lock()
+
+
 @contextlib.contextmanager
 def fast_gguf():
     """The gguf package without two of its costs, while kvserve or transformers reads a file through it. Its reader
@@ -124,13 +128,14 @@ def fast_gguf():
     import gguf
     import gguf.gguf_reader as reader
 
-    numpy, name_map = reader.np, gguf.get_tensor_name_map
-    reader.np = types.SimpleNamespace(**{**vars(numpy), "memmap": lambda *a, **kw: numpy.memmap(*a, **kw).view(numpy.ndarray)})
-    gguf.get_tensor_name_map = functools.cache(name_map)
-    try:
-        yield
-    finally:
-        reader.np, gguf.get_tensor_name_map = numpy, name_map
+    with _GGUF_PATCHED:  # one thread at a time, so each puts back what it found
+        numpy, name_map = reader.np, gguf.get_tensor_name_map
+        reader.np = types.SimpleNamespace(**{**vars(numpy), "memmap": lambda *a, **kw: numpy.memmap(*a, **kw).view(numpy.ndarray)})
+        gguf.get_tensor_name_map = functools.cache(name_map)
+        try:
+            yield
+        finally:
+            reader.np, gguf.get_tensor_name_map = numpy, name_map
 
 
 def _convert_file(gguf_path: Path, out: Path) -> None:
