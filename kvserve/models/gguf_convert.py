@@ -102,11 +102,6 @@ def _file_digest(path: Path) -> str:
     return index[key]
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
-    with fast_gguf():
-        _convert_file(gguf_path, out)
-
-
 def read_gguf(path: Path):
     """gguf's reader of a file, made fast (fast_gguf)."""
     import gguf
@@ -138,11 +133,12 @@ def fast_gguf():
             reader.np, gguf.get_tensor_name_map = numpy, name_map
 
 
-def _convert_file(gguf_path: Path, out: Path) -> None:
+@fast_gguf()
+def _convert(gguf_path: Path, out: Path) -> None:
     import gguf
     from safetensors.torch import save_file
 
-    reader = gguf.GGUFReader(gguf_path)  # under fast_gguf
+    reader = gguf.GGUFReader(gguf_path)
     config = _hf_config(reader)
     arch = config["model_type"]
     tensors, types = {}, {}
@@ -268,13 +264,11 @@ def _save_tokenizer(gguf_path: Path, out: Path, model_type: str) -> None:
     tokenizer.save_pretrained(out)
 
 
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
-
-
 def copy_without_tokenizer(src: Path, dst: Path) -> None:
     """`src` without its tokenizer's arrays (the vocabulary's size kept as `<arch>.vocab_size`), tensors byte
     for byte: the gguf package parses a 262k-token vocabulary in ~20 s, and transformers reads a file twice."""
+    from gguf import GGUFValueType
+
     data = np.memmap(src, dtype=np.uint8, mode="r")
     buf = memoryview(data)
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
@@ -293,12 +287,12 @@ def copy_without_tokenizer(src: Path, dst: Path) -> None:
             alignment = struct.unpack_from("<I", buf, value_at)[0]
         elif key == "tokenizer.ggml.tokens":
             vocab = struct.unpack_from("<Q", buf, value_at + 4)[0]
-        if not (key.startswith("tokenizer.ggml.") and vtype == _ARRAY):
+        if not (key.startswith("tokenizer.ggml.") and vtype == GGUFValueType.ARRAY):
             kept.append(bytes(buf[start:pos]))
             keys.add(key)
     if vocab is not None and f"{arch}.vocab_size" not in keys:
         key = f"{arch}.vocab_size".encode()
-        kept.append(struct.pack("<Q", len(key)) + key + struct.pack("<II", _UINT32, vocab))
+        kept.append(struct.pack("<Q", len(key)) + key + struct.pack("<II", GGUFValueType.UINT32, vocab))
     infos_at = pos
     for _ in range(n_tensors):
         _, pos = _read_string(buf, pos)
@@ -317,14 +311,17 @@ def _read_string(buf: memoryview, pos: int) -> tuple[str, int]:
 
 
 def _skip_value(buf: memoryview, pos: int, vtype: int) -> int:
-    if vtype == _STRING:
+    from gguf import GGUFReader, GGUFValueType
+
+    if vtype == GGUFValueType.STRING:
         return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
-    if vtype != _ARRAY:
-        return pos + _SCALAR_BYTES[vtype]
+    scalars = GGUFReader.gguf_scalar_to_np  # every other type but arrays: numpy's
+    if vtype != GGUFValueType.ARRAY:
+        return pos + np.dtype(scalars[GGUFValueType(vtype)]).itemsize
     etype, count = struct.unpack_from("<IQ", buf, pos)
     pos += 12
-    if etype in _SCALAR_BYTES:
-        return pos + count * _SCALAR_BYTES[etype]
+    if etype in scalars:
+        return pos + count * np.dtype(scalars[GGUFValueType(etype)]).itemsize
     for _ in range(count):
         pos = _skip_value(buf, pos, etype)
     return pos
