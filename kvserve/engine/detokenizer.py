@@ -34,6 +34,11 @@ class SerialTokenizer:
         return serial
 
 
+def serial(tokenizer) -> SerialTokenizer | None:
+    """A checkpoint's tokenizer behind its lock; None where it has none."""
+    return SerialTokenizer(tokenizer) if tokenizer is not None else None
+
+
 class IncrementalDetokenizer:
     """Text for tokens as they arrive, without re-decoding the whole output each step.
 

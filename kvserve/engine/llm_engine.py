@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine.detokenizer import SerialTokenizer
+from kvserve.engine.detokenizer import serial
 from kvserve.engine.model_runner import ModelRunner, StepOutput
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.prompts import PromptEncoder
@@ -43,7 +43,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.config = config
         self.checkpoint = open_checkpoint(config.model)
-        self.tokenizer = SerialTokenizer(self.checkpoint.tokenizer) if self.checkpoint.tokenizer is not None else None
+        self.tokenizer = serial(self.checkpoint.tokenizer)
         self.prompts = PromptEncoder(self.tokenizer, config.model)
         model_config = self.checkpoint.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvserve.engine.detokenizer import SerialTokenizer, token_bytes, token_text
+from kvserve.engine.detokenizer import serial, token_bytes, token_text
 from kvserve.engine.prompts import PromptEncoder
 from kvserve.errors import KVServeError
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -100,7 +100,7 @@ class Server:
     def __init__(self, async_engine: AsyncEngine, model_name: str):
         self.async_engine, self.model_name, self.facts = async_engine, model_name, async_engine.facts
         self.metrics = async_engine.metrics
-        self.tokenizer = SerialTokenizer(self.facts.tokenizer) if self.facts.tokenizer is not None else None
+        self.tokenizer = serial(self.facts.tokenizer)
         self.prompts = PromptEncoder(self.tokenizer, self.facts.model)
 
     def check_model(self, model: str | None) -> None:
