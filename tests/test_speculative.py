@@ -749,6 +749,34 @@ def test_distill_answers_past_the_prompts_are_sampled_rounds(smollm2, monkeypatc
     assert [tokens[i] for i in follows[:11]] == text.ids[1:12]  # the greedy round: each state gave the next token
 
 
+def test_distill_self_prompts_are_user_messages_the_model_wrote(smollm2):
+    """--prompts self: distinct messages, each what the model samples after its chat template's user turn opens
+    (seeded: the same seed, the same messages); answers() asks them in the chat template."""
+    from kvserve.spec_decode.distill import answers, self_prompts
+
+    prompts = self_prompts(smollm2, 3, seed=0, max_tokens=48)
+    assert len(set(prompts)) == 3 and all(p and p == p.strip() for p in prompts)
+    assert self_prompts(smollm2, 3, seed=0, max_tokens=48) == prompts
+    assert self_prompts(smollm2, 3, seed=1, max_tokens=48) != prompts
+    template = smollm2.apply_chat_template([{"role": "user", "content": "\x00"}])
+    start = smollm2.engine.tokenize(template[:template.index("\x00")], add_special_tokens=False)
+    written = smollm2.generate([start], SamplingParams(temperature=1.0, max_tokens=48, seed=0), use_tqdm=False)[0].outputs[0]
+    if written.finish_reason == "stop":  # the first sample is the first prompt unless it ran past max_tokens
+        assert prompts[0] == written.text.strip()
+    ids = answers(smollm2, 1, seed=0, max_tokens=4, prompts=prompts[1:]).ids
+    chat = smollm2.engine.tokenize(smollm2.apply_chat_template([{"role": "user", "content": prompts[1]}]), add_special_tokens=False)
+    assert ids[:len(chat)] == chat and len(ids) == len(chat) + 4
+    with pytest.raises(KVServeError, match=r"wrote 0 different finished user messages in 1 rounds, not 2"):
+        self_prompts(smollm2, 2, seed=0, max_tokens=1, rounds=1)  # no message ends within one token
+
+
+def test_distill_rejects_an_unknown_prompt_source():
+    from kvserve.spec_decode.distill import DistillSettings, distill
+
+    with pytest.raises(KVServeError, match="--prompts must be one of builtin, self, got 'web'"):
+        distill(DistillSettings(answers=4, prompts="web"))
+
+
 def test_distill_prompts_are_distinct_and_not_the_benchmarks():
     """--answers N up to the prompts' number are N greedy answers to N different prompts, none on a topic of the
     benchmark's open generation."""

@@ -350,6 +350,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
     settings = DistillSettings(model=args.model, out=args.out, layers=args.layers, mlp=args.mlp, steps=args.steps, batch=args.batch,
                                seq_len=args.seq_len, lr=args.lr, temperature=args.temperature, text=args.text, answers=args.answers,
+                               prompts=args.prompts,
                                vocab=args.vocab, seed=args.seed, eagle=args.eagle, depth=args.depth)
     report = distill(settings)
     if args.json:
@@ -391,7 +392,9 @@ def _add_distill_parser(sub) -> None:
     di.add_argument("--temperature", type=float, default=d.temperature, help="softens both distributions in the KL loss")
     di.add_argument("--text", default=None, help="a text file (default: Python's own documentation, pydoc_data.topics)")
     di.add_argument("--answers", type=int, default=d.answers, metavar="N",
-                    help="distill on the model's own answers to N built-in chat prompts (4,312; greedy, then sampled rounds) instead of a text")
+                    help="distill on the model's own answers to N chat prompts (greedy, then sampled rounds past the prompts' number) instead of a text")
+    di.add_argument("--prompts", choices=("builtin", "self"), default=d.prompts,
+                    help="the chat prompts --answers asks: builtin (4,312: tasks on topics) or self (N user messages the model writes itself)")
     di.add_argument("--vocab", type=int, default=d.vocab, help="tokens the draft's LM head covers (0: all)")
     di.add_argument("--seed", type=int, default=d.seed)
     di.add_argument("--json", action="store_true")

@@ -55,7 +55,8 @@ class DistillSettings:
     lr: float = 5e-4
     temperature: float = 2.0
     text: str | None = None  # a file; None: Python's own documentation (unless `answers`)
-    answers: int = 0  # > 0: the text is the target's own answers to this many built-in chat prompts (greedy, then sampled rounds)
+    answers: int = 0  # > 0: the text is the target's own answers to this many chat prompts (greedy, then sampled rounds)
+    prompts: str = "builtin"  # the chat prompts `answers` asks: "builtin" (TOPICS x TASKS) or "self" (the model writes them)
     vocab: int = 8192  # tokens the draft's LM head covers (the text's most frequent, then the lowest ids); 0: all
     eval_windows: int = 8  # held-out windows (the text's start) for perplexity and KL
     acceptance_prompts: int = 4  # held-out prompts for the draft's acceptance rate
@@ -86,6 +87,8 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
         raise KVServeError(f"--depth must be 1..8, got {settings.depth}")
     if settings.answers and settings.text:
         raise KVServeError("distill on --text or on the model's --answers, not both")
+    if settings.prompts not in PROMPT_SOURCES:
+        raise KVServeError(f"--prompts must be one of {', '.join(PROMPT_SOURCES)}, got {settings.prompts!r}")
     torch.manual_seed(settings.seed)
     teacher = LLM(settings.model, max_num_batched_tokens=max(512, settings.batch * settings.seq_len))
     width = teacher.engine.checkpoint.config.intermediate_size
@@ -396,7 +399,8 @@ def _text(teacher: LLM, settings: DistillSettings, progress: bool) -> Text:
     from kvserve.eval.text import load_text
 
     if settings.answers:
-        return answers(teacher, settings.answers, settings.seed, states=settings.eagle, progress=progress)
+        prompts = PROMPT_SOURCES[settings.prompts](teacher, settings.answers, settings.seed)
+        return answers(teacher, settings.answers, settings.seed, states=settings.eagle, progress=progress, prompts=prompts)
     return Text(teacher.engine.tokenize(load_text(settings.text), add_special_tokens=False))
 
 
@@ -444,14 +448,45 @@ def chat_prompts() -> list[str]:
     return [task.format(topic) for topic in TOPICS for task in TASKS]
 
 
-def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: bool = False, progress: bool = False) -> Text:
-    """Chat prompts on built-in topics with the target's answers, as token ids: the text a draft is asked to predict
-    when it serves chat (on-policy distillation, as DistillSpec's). The first answer to each prompt is greedy; past
-    the prompts' number, each further round samples them (temperature 0.8, seeded), so no answer repeats.
-    With `states`, each answer's positions only (from its prompt's last token on), each with the hidden state the
-    target generated the next token from: the positions a feature draft guesses at."""
+def builtin_prompts(teacher: LLM, count: int, seed: int) -> list[str]:
     prompts = chat_prompts()
     random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def self_prompts(teacher: LLM, count: int, seed: int, max_tokens: int = 96, rounds: int = 8) -> list[str]:
+    """`count` different user messages the model writes itself (Magpie, Xu et al. 2024): its chat template up to
+    where a user's message begins, sampled at temperature 1 (seeded); only messages it ends within max_tokens.
+    A chat model's own questions cover far more than built-in topics do."""
+    mark = "\x00"
+    template = teacher.apply_chat_template([{"role": "user", "content": mark}])
+    if mark not in template:
+        raise KVServeError("--prompts self needs a chat template with the user's message in it")
+    start = teacher.engine.tokenize(template[:template.index(mark)], add_special_tokens=False)
+    found: dict[str, None] = {}
+    for round_ in range(rounds):
+        wanted = count - len(found)
+        params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed * 1_000_003 + round_ * count + i) for i in range(wanted)]
+        for out in teacher.generate([start] * wanted, params, use_tqdm=False):
+            text = out.outputs[0].text.strip()
+            if text and out.outputs[0].finish_reason == "stop":
+                found[text] = None
+        if len(found) >= count:
+            return list(found)[:count]
+    raise KVServeError(f"the model wrote {len(found)} different finished user messages in {rounds} rounds, not {count}")
+
+
+PROMPT_SOURCES = {"builtin": builtin_prompts, "self": self_prompts}
+
+
+def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: bool = False, progress: bool = False,
+            prompts: list[str] | None = None) -> Text:
+    """`count` answers of the target to chat prompts (default: builtin_prompts), with the prompts, as token ids: the
+    text a draft is asked to predict when it serves chat (on-policy distillation, as DistillSpec's). The first answer to each prompt is greedy;
+    past the prompts' number, each further round samples them (temperature 0.8, seeded), so no answer repeats.
+    With `states`, each answer's positions only (from its prompt's last token on), each with the hidden state the
+    target generated the next token from: the positions a feature draft guesses at."""
+    prompts = builtin_prompts(teacher, count, seed) if prompts is None else prompts
     chats = [teacher.engine.tokenize(teacher.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
              for p in prompts[:count]]
     # Each answer's states go to a region of max_tokens rows of one buffer (pages never written are never resident).
