@@ -10,8 +10,9 @@ scores each batch's windows through its paged cache (SamplingParams(prompt_distr
 a transformers Llama (training is not what kvserve is for), under bf16 autocast where the CPU multiplies bf16
 natively, saved as a Hugging Face directory that LLM(...) and `--speculative draft:model=DIR` load.
 
-The text is Python's documentation, a user's file, or (`answers`) the target's own greedy answers to built-in
-chat prompts: on-policy data, the text the draft will be asked to predict when serving chat. The draft also
+The text is Python's documentation, a user's file, or (`answers`) the target's own greedy answers to chat
+prompts, built-in ones or (`prompts="self"`) user messages the target writes itself: on-policy data, the text the
+draft will be asked to predict when serving chat. The draft also
 lists the `vocab` tokens its LM head keeps (draft_vocab.json): a head over 8,192 of SmolLM2's 49,152 tokens
 reads a sixth of its bytes (the full head is 30 MB of a 10-layer Q8_0 draft's 68).
 
@@ -449,6 +450,7 @@ def chat_prompts() -> list[str]:
 
 
 def builtin_prompts(teacher: LLM, count: int, seed: int) -> list[str]:
+    """The built-in chat prompts, shuffled by the seed (all of them: `answers` asks them again in sampled rounds)."""
     prompts = chat_prompts()
     random.Random(seed).shuffle(prompts)
     return prompts
@@ -482,8 +484,9 @@ PROMPT_SOURCES = {"builtin": builtin_prompts, "self": self_prompts}
 def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: bool = False, progress: bool = False,
             prompts: list[str] | None = None) -> Text:
     """`count` answers of the target to chat prompts (default: builtin_prompts), with the prompts, as token ids: the
-    text a draft is asked to predict when it serves chat (on-policy distillation, as DistillSpec's). The first answer to each prompt is greedy;
-    past the prompts' number, each further round samples them (temperature 0.8, seeded), so no answer repeats.
+    text a draft is asked to predict when it serves chat (on-policy distillation, as DistillSpec's). The first
+    answer to each prompt is greedy; past the prompts' number, each further round samples them (temperature 0.8,
+    seeded), so no answer repeats.
     With `states`, each answer's positions only (from its prompt's last token on), each with the hidden state the
     target generated the next token from: the positions a feature draft guesses at."""
     prompts = builtin_prompts(teacher, count, seed) if prompts is None else prompts
