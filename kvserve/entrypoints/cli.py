@@ -371,7 +371,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
 
 def _add_distill_parser(sub) -> None:
-    from kvserve.spec_decode.distill import DistillSettings
+    from kvserve.spec_decode.distill import PROMPT_SOURCES, DistillSettings
 
     d = DistillSettings()
     di = sub.add_parser("distill", help="make a speculative-decoding draft from the model: prune layers, then distill")
@@ -393,7 +393,7 @@ def _add_distill_parser(sub) -> None:
     di.add_argument("--text", default=None, help="a text file (default: Python's own documentation, pydoc_data.topics)")
     di.add_argument("--answers", type=int, default=d.answers, metavar="N",
                     help="distill on the model's own answers to N chat prompts (greedy, then sampled rounds past the prompts' number) instead of a text")
-    di.add_argument("--prompts", choices=("builtin", "self"), default=d.prompts,
+    di.add_argument("--prompts", choices=list(PROMPT_SOURCES), default=d.prompts,
                     help="the chat prompts --answers asks: builtin (4,312: tasks on topics) or self (N user messages the model writes itself)")
     di.add_argument("--vocab", type=int, default=d.vocab, help="tokens the draft's LM head covers (0: all)")
     di.add_argument("--seed", type=int, default=d.seed)
