@@ -1,7 +1,15 @@
 """kvserve: a small LLM inference engine built around the KV cache."""
-from kvserve.entrypoints.llm import LLM
 from kvserve.errors import KVServeError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "KVServeError"]
+
+
+def __getattr__(name: str):
+    """LLM on first use: `kvserve serve`'s HTTP process imports kvserve's modules without torch."""
+    if name == "LLM":
+        from kvserve.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'kvserve' has no attribute {name!r}")

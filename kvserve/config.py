@@ -4,13 +4,17 @@ import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvserve.errors import KVServeError
-from kvserve.kv.formats import KV_CACHE_DTYPES
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# How K and V may be stored: "auto", then kvserve.kv.formats.FORMATS' names (named here, where settings are read
+# without torch)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi2")
 
 
 @dataclass(slots=True)
@@ -217,6 +221,8 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch  # here, not at the top: `kvserve serve`'s HTTP process reads settings without torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -231,6 +237,8 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.dtype)
 
     @property
@@ -273,6 +281,8 @@ def _check_device(device: str) -> None:
         return
     if not re.fullmatch(r"cuda(:\d+)?", device):
         raise KVServeError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    import torch
+
     if not torch.cuda.is_available():
         raise KVServeError(f"device {device!r} was asked for, but torch sees no CUDA GPU (torch {torch.__version__})")
     index = torch.device(device).index or 0

@@ -5,6 +5,20 @@ from typing import Any
 
 
 @dataclass(slots=True)
+class SchedulerStats:
+    """The engine's counters since it started (the scheduler counts them)."""
+
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified...
+    num_accepted_tokens: int = 0  # ...and kept
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens served from it
+    num_evicted_tokens: int = 0  # KV policies: tokens whose K/V was evicted
+    tier_loaded_blocks: int = 0  # KV tiers: blocks of cached prefixes loaded into the pool instead of computed...
+    tier_saved_blocks: int = 0  # ...and blocks saved to them
+
+
+@dataclass(slots=True)
 class RequestMetrics:
     """Timings (seconds, time.perf_counter clock) and KV figures of one request."""
 

@@ -86,6 +86,7 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
     (["distill", "--steps", "0"], "--steps must be >= 1, got 0"),  # was a ZeroDivisionError
     (["distill", "--seq-len", "1"], "--seq-len must be >= 2, got 1"),  # was an AttributeError
     (["distill", "--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["distill", "--answers", "8", "--prompts", "web"], "--prompts must be one of builtin, self, got 'web'"),
     (["memory", "smollm2-135m", "--num-devices", "0"], "num_devices must be >= 1, got 0"),  # was planned
     (["memory", "smollm2-135m", "--bandwidth", "0"], "a device needs FLOP/s and bandwidth > 0, got 9.89e+14 and 0"),  # was the H100's
 ])

@@ -85,6 +85,13 @@ def test_auto_kv_dtype_follows_the_matmul_precision():
 
 
 
+def test_every_kv_dtype_the_settings_accept_has_formats():
+    """config names the KV dtypes (it is read without torch); kv.formats has a pair of formats for each."""
+    from kvserve.config import KV_CACHE_DTYPES
+
+    assert KV_CACHE_DTYPES == ("auto", *FORMATS)
+
+
 def test_bad_kv_dtypes_are_clear_errors(tiny_model_dir):
     from kvserve import LLM
 

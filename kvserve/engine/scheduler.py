@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from kvserve.config import EngineConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.manager import KVManager
+from kvserve.outputs import SchedulerStats
 
 
 @dataclass(slots=True)
@@ -43,18 +44,6 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.seqs)
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_preemptions: int = 0
-    num_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified...
-    num_accepted_tokens: int = 0  # ...and kept
-    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hits: int = 0  # of those, tokens served from it
-    num_evicted_tokens: int = 0  # KV policies: tokens whose K/V was evicted
-    tier_loaded_blocks: int = 0  # KV tiers: blocks of cached prefixes loaded into the pool instead of computed...
-    tier_saved_blocks: int = 0  # ...and blocks saved to them
 
 
 class Scheduler:

@@ -8,9 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvserve.config import EngineConfig, memory_share
+from kvserve.config import KV_CACHE_DTYPES, EngineConfig, memory_share
 from kvserve.errors import KVServeError
-from kvserve.kv.formats import KV_CACHE_DTYPES
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -346,58 +345,57 @@ def _add_eval_parser(sub) -> None:
 
 
 def cmd_distill(args: argparse.Namespace) -> None:
+    import dataclasses
+
     from kvserve.spec_decode.distill import DistillSettings, distill
 
-    settings = DistillSettings(model=args.model, out=args.out, layers=args.layers, mlp=args.mlp, steps=args.steps, batch=args.batch,
-                               seq_len=args.seq_len, lr=args.lr, temperature=args.temperature, text=args.text, answers=args.answers,
-                               prompts=args.prompts,
-                               vocab=args.vocab, seed=args.seed, eagle=args.eagle, depth=args.depth)
+    settings = DistillSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillSettings) if hasattr(args, f.name)})
     report = distill(settings)
     if args.json:
         print(json.dumps(report, indent=2))
         return
     b, a, acc = report["before"], report["after"], report["acceptance"]
-    width = f", MLP width {args.mlp}" if args.mlp else ""
-    kind = f"a feature draft for {args.model}" if args.eagle else f"layers {report['kept_layers']} of {args.model}"
-    print(f"draft: {args.out} ({kind}{width}); loss curve: {Path(args.out) / 'loss.png'}")
-    ahead = " two tokens ahead" if args.eagle else ""
+    width = f", MLP width {settings.mlp}" if settings.mlp else ""
+    kind = f"a feature draft for {settings.model}" if settings.eagle else f"layers {report['kept_layers']} of {settings.model}"
+    print(f"draft: {settings.out} ({kind}{width}); loss curve: {Path(settings.out) / 'loss.png'}")
+    ahead = " two tokens ahead" if settings.eagle else ""
     print(f"perplexity{ahead} on held-out text: target {report['target_perplexity']:.2f} (next token), draft {b['perplexity']:.2f} "
           f"untrained -> {a['perplexity']:.2f} trained; KL to the target {b['kl_mean']:.3f} -> {a['kl_mean']:.3f}")
-    if args.eagle:
+    if settings.eagle:
         print(f"the draft's guess is the target's greedy token: {b['agreement']:.1%} -> {a['agreement']:.1%}; its second guess, "
               f"where the first was: {b['second_agreement']:.1%} -> {a['second_agreement']:.1%}")
     print(f"acceptance (greedy, k=4): {acc['accepted_tokens']}/{acc['draft_tokens']} = {acc['rate']:.1%}")
-    print(f"use it: kvserve generate --speculative {'eagle' if args.eagle else 'draft'}:model={args.out} --prompt ...")
+    print(f"use it: kvserve generate --speculative {'eagle' if settings.eagle else 'draft'}:model={settings.out} --prompt ...")
 
 
 def _add_distill_parser(sub) -> None:
-    from kvserve.spec_decode.distill import PROMPT_SOURCES, DistillSettings
-
-    d = DistillSettings()
-    di = sub.add_parser("distill", help="make a speculative-decoding draft from the model: prune layers, then distill")
-    di.add_argument("--model", default=d.model)
-    di.add_argument("--out", default=d.out, help="directory the draft is saved to (Hugging Face format)")
-    di.add_argument("--layers", type=int, default=d.layers, help="decoder layers kept: the first ones and the last LAYERS // 3")
+    """Its defaults are DistillSettings' (an option not given is not set here), read when it runs: importing
+    kvserve.spec_decode.distill brings torch, which `kvserve serve`'s HTTP process does without."""
+    di = sub.add_parser("distill", help="make a speculative-decoding draft from the model: prune layers, then distill",
+                        argument_default=argparse.SUPPRESS)
+    di.add_argument("--model")
+    di.add_argument("--out", help="directory the draft is saved to (Hugging Face format)")
+    di.add_argument("--layers", type=int, help="decoder layers kept: the first ones and the last LAYERS // 3")
     di.add_argument("--eagle", action="store_true",
                     help="train a feature draft (EAGLE-style: one MLP block on the model's hidden states) instead of pruning")
-    di.add_argument("--depth", type=int, default=d.depth,
+    di.add_argument("--depth", type=int,
                     help="with --eagle, train the draft on its own predictions this many tokens ahead; it guesses as many (eagle's k)")
-    di.add_argument("--mlp", type=int, default=d.mlp, metavar="WIDTH",
+    di.add_argument("--mlp", type=int, metavar="WIDTH",
                     help="narrow each kept MLP to its WIDTH most active intermediate neurons (0: keep its width); "
                          "with --eagle, the block's MLP width (0: the model's)")
-    di.add_argument("--steps", type=int, default=d.steps)
-    di.add_argument("--batch", type=int, default=d.batch, help="windows per step")
-    di.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per window")
-    di.add_argument("--lr", type=float, default=d.lr)
-    di.add_argument("--temperature", type=float, default=d.temperature, help="softens both distributions in the KL loss")
-    di.add_argument("--text", default=None, help="a text file (default: Python's own documentation, pydoc_data.topics)")
-    di.add_argument("--answers", type=int, default=d.answers, metavar="N",
+    di.add_argument("--steps", type=int)
+    di.add_argument("--batch", type=int, help="windows per step")
+    di.add_argument("--seq-len", type=int, help="tokens per window")
+    di.add_argument("--lr", type=float)
+    di.add_argument("--temperature", type=float, help="softens both distributions in the KL loss")
+    di.add_argument("--text", help="a text file (default: Python's own documentation, pydoc_data.topics)")
+    di.add_argument("--answers", type=int, metavar="N",
                     help="distill on the model's own answers to N chat prompts (greedy, then sampled rounds past the prompts' number) instead of a text")
-    di.add_argument("--prompts", choices=list(PROMPT_SOURCES), default=d.prompts,
+    di.add_argument("--prompts",
                     help="the chat prompts --answers asks: builtin (4,312: tasks on topics) or self (N user messages the model writes itself)")
-    di.add_argument("--vocab", type=int, default=d.vocab, help="tokens the draft's LM head covers (0: all)")
-    di.add_argument("--seed", type=int, default=d.seed)
-    di.add_argument("--json", action="store_true")
+    di.add_argument("--vocab", type=int, help="tokens the draft's LM head covers (0: all)")
+    di.add_argument("--seed", type=int)
+    di.add_argument("--json", action="store_true", default=False)
     di.set_defaults(func=cmd_distill)
 
 

@@ -59,9 +59,6 @@ class AsyncEngine:
         make_engine(config) builds the engine there (default LLMEngine); describe(engine) words the startup line;
         place: bind the engine's OpenMP threads to cores and move this whole process to the last one's (Linux, more
         than one CPU, OMP_PROC_BIND and OMP_PLACES unset), as `kvserve serve` does."""
-        if make_engine is None:
-            from kvserve.engine.llm_engine import LLMEngine
-            make_engine = LLMEngine
         context = multiprocessing.get_context("spawn")  # a forked child would inherit torch's threads half-made
         commands, child_commands = context.Pipe(duplex=False)[::-1]
         child_events, events = context.Pipe(duplex=False)[::-1]

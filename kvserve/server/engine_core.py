@@ -21,7 +21,6 @@ from multiprocessing.connection import Connection
 from kvserve.config import EngineConfig
 from kvserve.errors import KVServeError
 from kvserve.kv.block_table import NULL
-from kvserve.kv.spec import KVLayout
 from kvserve.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger("kvserve.engine")
@@ -44,15 +43,17 @@ class EngineFacts:
     model: str
     max_request_tokens: int
     vocab_size: int
-    layout: KVLayout
+    layout: dict  # KVLayout.to_dict()'s (KVLayout holds torch's KV formats, which the HTTP process does not import)
     kv_total_bytes: int
     description: str  # how the engine describes itself on the startup line
 
 
 def main(config: EngineConfig, commands: Connection, events: Connection, max_waiting: int,
-         make_engine: Callable, describe: Callable | None) -> None:
+         make_engine: Callable | None, describe: Callable | None) -> None:
     """The engine process: load, say so, serve commands until told to stop or the HTTP process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the HTTP process stops us
+    if make_engine is None:  # imported here: the HTTP process, which names what to run, runs without torch
+        from kvserve.engine.llm_engine import LLMEngine as make_engine
     try:
         engine = make_engine(config)
     except KVServeError as e:  # the HTTP process reports it, as the CLI does any bad value
@@ -63,7 +64,7 @@ def main(config: EngineConfig, commands: Connection, events: Connection, max_wai
         raise
     checkpoint = engine.checkpoint
     events.send(("ready", EngineFacts(checkpoint.tokenizer, config.model, engine.max_request_tokens,
-                                      checkpoint.config.vocab_size, engine.layout, engine.kv_usage()["total_bytes"],
+                                      checkpoint.config.vocab_size, engine.layout.to_dict(), engine.kv_usage()["total_bytes"],
                                       describe(engine) if describe else "")))
     EngineCore(engine, commands, events, max_waiting).run()
 

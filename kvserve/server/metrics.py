@@ -5,14 +5,14 @@ from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from kvserve.engine.scheduler import SchedulerStats
-from kvserve.kv.spec import KVLayout
+from kvserve.outputs import SchedulerStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
 class Metrics:
-    def __init__(self, model: str, layout: KVLayout, total_kv_bytes: int):
+    def __init__(self, model: str, layout: dict, total_kv_bytes: int):
+        """`layout`: the KV layout's KVLayout.to_dict()."""
         self.registry = CollectorRegistry()
         labels, r = {"model_name": model}, self.registry
 
@@ -34,9 +34,9 @@ class Metrics:
         self.kv_total_bytes = gauge("kv_cache_total_bytes", "KV bytes of the whole pool, residual blocks included.")
         self.kv_total_bytes.set(total_kv_bytes)
         gauge("kv_cache_bytes_per_token", "KV bytes one more cached token takes (all layers, scales included).").set(
-            layout.bytes_per_token)
+            layout["bytes_per_token"])
         Info("kvserve:kv_cache_layout", "How K and V are stored.", ["model_name"], registry=r).labels(**labels).info(
-            {k: str(v) for k, v in layout.to_dict().items()})
+            {k: str(v) for k, v in layout.items()})
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve import hugepages
+from kvserve.config import KV_CACHE_DTYPES
 from kvserve.errors import KVServeError
 
 
@@ -109,13 +110,12 @@ from kvserve.kv.formats.int4 import INT4  # noqa: E402
 from kvserve.kv.formats.int8 import INT8  # noqa: E402
 from kvserve.kv.formats.kivi2 import KIVI2_KEYS, KIVI2_VALUES  # noqa: E402
 
-# name -> (format for keys, format for values)
+# name (config.KV_CACHE_DTYPES') -> (format for keys, format for values)
 FORMATS: dict[str, tuple[KVFormat, KVFormat]] = {
     "float32": (FLOAT32, FLOAT32), "bfloat16": (BFLOAT16, BFLOAT16), "float16": (FLOAT16, FLOAT16),
     "fp8_e4m3": (FP8_E4M3, FP8_E4M3), "fp8_e5m2": (FP8_E5M2, FP8_E5M2),
     "int8": (INT8, INT8), "int4": (INT4, INT4), "kivi2": (KIVI2_KEYS, KIVI2_VALUES),
 }
-KV_CACHE_DTYPES = ("auto", *FORMATS)
 
 
 def get_format(name: str, role: str) -> KVFormat:
