@@ -13,3 +13,7 @@ def __getattr__(name: str):
 
         return LLM
     raise AttributeError(f"module 'kvserve' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "LLM"})

@@ -136,6 +136,18 @@ def test_a_dropped_stream_whose_step_was_running_leaves_the_others_whole(tiny_mo
         assert len(other.result()) == 4
 
 
+def test_the_http_side_and_the_cli_parser_import_without_torch():
+    """What `kvserve serve`'s HTTP process imports, and every command's parser, stay clear of torch; kvserve.LLM
+    brings it on first use."""
+    code = ("import sys, kvserve, kvserve.server.app\n"
+            "from kvserve.entrypoints import cli\n"
+            "cli.build_parser().parse_args(['distill', '--answers', '8'])\n"
+            "assert 'LLM' in dir(kvserve) and 'torch' not in sys.modules, 'torch was imported'\n"
+            "assert kvserve.LLM.__name__ == 'LLM' and 'torch' in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def test_sigterm_shuts_down_cleanly(tiny_model_dir):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--model", str(tiny_model_dir),
