@@ -178,10 +178,16 @@ def test_sigterm_shuts_down_cleanly(tiny_model_dir):
             os.kill(proc.pid, signal.SIGKILL)
 
 
+def _engine_pid(pid: int) -> int:
+    """The engine process `kvserve serve` (pid) spawned."""
+    (engine,) = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()
+                 if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    return engine
+
+
 def _check_torch_only_in_engine(pid: int) -> None:
     """The HTTP process, having served, never loaded torch (~190 MB and ~1.5 s of its start); the engine did."""
-    engine = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split() if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
-    assert "libtorch" in open(f"/proc/{engine[0]}/maps").read()
+    assert "libtorch" in open(f"/proc/{_engine_pid(pid)}/maps").read()
     assert "libtorch" not in open(f"/proc/{pid}/maps").read()
 
 
@@ -190,8 +196,6 @@ def _check_placement(pid: int) -> None:
     cpus = os.sched_getaffinity(0)
     if len(cpus) < 2 or "OMP_PROC_BIND" in os.environ or "OMP_PLACES" in os.environ:
         return
-    (engine,) = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()
-                 if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
-    environ = dict(v.split("=", 1) for v in open(f"/proc/{engine}/environ").read().split("\0") if "=" in v)
+    environ = dict(v.split("=", 1) for v in open(f"/proc/{_engine_pid(pid)}/environ").read().split("\0") if "=" in v)
     assert environ["OMP_PROC_BIND"] == "close" and environ["OMP_PLACES"] == "cores"
     assert all(os.sched_getaffinity(int(t)) == {max(cpus)} for t in os.listdir(f"/proc/{pid}/task"))
