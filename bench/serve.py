@@ -7,9 +7,11 @@ concurrency is measured in this same run, on prompts alike; the last lines are t
 take turns, `--rounds` times (both loaded, the idle one waiting): the machine's slow spells fall on both alike, and
 the ratio is the median of the turns' ratios (medians taken apart could pair one's slow turn with the other's fast one).
 Each line also gives the CPU a token took in the load generator and in the server's HTTP process (its engine runs in a
-child process; on 2 cores both share the cores the engine computes on).
+child process; on 2 cores both share the cores the engine computes on). `--stream-interval 1,4` runs a server for each
+interval (`kvserve serve --stream-interval`: a request's tokens sent every N steps, merged), side by side in the
+turns; ITL is then the gap between the events a client gets.
 
-    python bench/serve.py [--concurrency 1,8,32] [--prompt-len 64] [--new-tokens 64] [--rounds 3]
+    python bench/serve.py [--concurrency 1,8,32] [--prompt-len 64] [--new-tokens 64] [--rounds 3] [--stream-interval 1]
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Stream:
-    """One streaming completion on a socket, parsed only as far as needed: an event with choices is a token's
-    arrival; only the last event, the usage, is decoded as JSON. On a 2-core machine the load generator shares the
+    """One streaming completion on a socket, parsed only as far as needed: an event with choices is an arrival (a
+    step's tokens, or N steps' at a stream interval of N); only the last event, the usage, is decoded as JSON. On a 2-core machine the load generator shares the
     cores the engine computes on: httpx's streaming took 350-410 us of CPU a token here, an asyncio connection that
     read chunk by chunk and decoded every event 190-256 us, this 123-164."""
 
@@ -114,14 +116,19 @@ def load(host: str, port: int, prompts: list[list[int]], new_tokens: int, concur
             "http_us": http / max(tokens, 1) * 1e6}
 
 
-def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
+def start_server(model: str, max_num_seqs: int, stream_interval: int) -> tuple[subprocess.Popen, int]:
+    """A `kvserve serve` process on a free loopback port, once it answers; and the port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--model", model, "--port", str(port),
-                             "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"])
+                             "--max-num-seqs", str(max_num_seqs), "--stream-interval", str(stream_interval),
+                             "--log-level", "warning"])
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
+                return proc, port
         except httpx.TransportError:
             time.sleep(0.5)
     proc.kill()
@@ -155,58 +162,60 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stream-interval", default="1", help="a server for each, e.g. 1,4")
     args = parser.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels, intervals = [int(c) for c in args.concurrency.split(",")], [int(n) for n in args.stream_interval.split(",")]
     rng = random.Random(0)
     make = lambda n: [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(n)]  # noqa: E731
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     top = max(levels)
-    server = start_server(args.model, port, top)
+    servers = {n: start_server(args.model, top, n) for n in intervals}
     llm = LLM(args.model, max_num_seqs=top)
-    rows, offline, turns = [], {}, []
+    rows, offline, turns = [], {}, []  # rows: (interval, concurrency, requests, load's figures)
+    serve = lambda n, prompts, c: load("127.0.0.1", servers[n][1], prompts, args.new_tokens, c, servers[n][0].pid)  # noqa: E731
     try:
-        run_streams("127.0.0.1", port, make(1), 4, 1)  # warm-up, as the offline engine gets
+        for n in intervals:
+            serve(n, make(1), 1)  # warm-up, as the offline engine gets
         for c in levels:
             if c != 1:
                 prompts = make(num_requests(c))
-                rows.append((c, len(prompts), load("127.0.0.1", port, prompts, args.new_tokens, c, server.pid)))
+                rows += [(n, c, len(prompts), serve(n, prompts, c)) for n in intervals]
                 continue
             for _ in range(args.rounds):  # one client and the offline engine at batch 1, in turns, on the same prompts
                 prompts = make(num_requests(1))
-                turns.append((load("127.0.0.1", port, prompts, args.new_tokens, 1, server.pid),
-                              offline_rate(llm, prompts, 1, args.new_tokens)))
+                turns.append(({n: serve(n, prompts, 1) for n in intervals}, offline_rate(llm, prompts, 1, args.new_tokens)))
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
     if turns:
-        middle = sorted(turns, key=lambda t: t[0]["tokens_per_s"])[len(turns) // 2][0]
-        rows.insert(0, (1, num_requests(1), middle))
+        rows[:0] = [(n, 1, num_requests(1), sorted((t[0][n] for t in turns), key=lambda r: r["tokens_per_s"])[len(turns) // 2])
+                    for n in intervals]
         offline[1] = sorted((t[1] for t in turns), key=lambda o: o[0])[len(turns) // 2]
     if top not in offline:
         offline[top] = offline_rate(llm, make(num_requests(top)), top, args.new_tokens)
 
     print(f"\nprompts {args.prompt_len} tokens, {args.new_tokens} new tokens, streaming completions on loopback")
-    for c, n, r in rows:
-        print(f"  concurrency {c:3d} ({n:3d} requests): {r['tokens_per_s']:7.1f} output tok/s   "
+    for n, c, k, r in rows:
+        print(f"  stream interval {n}, concurrency {c:3d} ({k:3d} requests): {r['tokens_per_s']:7.1f} output tok/s   "
               f"TTFT p50 {percentile(r['ttft'], .5) * 1000:7.0f} ms  p99 {percentile(r['ttft'], .99) * 1000:7.0f} ms   "
               f"ITL p50 {percentile(r['itl'], .5) * 1000:6.2f} ms  p99 {percentile(r['itl'], .99) * 1000:6.2f} ms   "
               f"CPU a token: client {r['client_us']:4.0f} us, HTTP process {r['http_us']:4.0f} us")
     for batch, (rate, itl) in offline.items():
         streamed = f"   ITL p50 {itl * 1000:6.2f} ms" if batch == 1 else ""
         print(f"  offline engine, batch {batch:3d} ({num_requests(batch):3d} requests): {rate:7.1f} output tok/s{streamed}")
-    if turns:
-        print(f"  one client / offline batch 1, each of {len(turns)} turns: "
-              + " ".join(f"{t[0]['tokens_per_s'] / t[1][0]:.2f}" for t in turns) + " (the lines above: medians)")
-    for c, _, r in rows:
+    for n in intervals if turns else []:
+        print(f"  stream interval {n}: one client / offline batch 1, each of {len(turns)} turns: "
+              + " ".join(f"{t[0][n]['tokens_per_s'] / t[1][0]:.2f}" for t in turns) + " (the lines above: medians)")
+    for n, c, _, r in rows:
         if c == 1 and turns:
-            rate = statistics.median(t[0]["tokens_per_s"] / t[1][0] for t in turns)
-            itl = statistics.median(percentile(t[0]["itl"], .5) / t[1][1] for t in turns)
-            print(f"ratio server @ concurrency 1 / offline batch 1, median of the turns: {rate:.2f} tok/s, {itl:.2f} ITL p50")
+            rate = statistics.median(t[0][n]["tokens_per_s"] / t[1][0] for t in turns)
+            itl = statistics.median(percentile(t[0][n]["itl"], .5) / t[1][1] for t in turns)
+            print(f"ratio server (stream interval {n}) @ concurrency 1 / offline batch 1, median of the turns: {rate:.2f} tok/s, "
+                  f"{itl:.2f} ITL p50")
         elif c in offline:
-            print(f"ratio server @ concurrency {c} / offline batch {c}: {r['tokens_per_s'] / offline[c][0]:.2f} tok/s")
+            print(f"ratio server (stream interval {n}) @ concurrency {c} / offline batch {c}: "
+                  f"{r['tokens_per_s'] / offline[c][0]:.2f} tok/s")
 
 
 if __name__ == "__main__":

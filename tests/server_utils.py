@@ -47,9 +47,11 @@ class FailingEngine(LLMEngine):
 
 
 @contextlib.contextmanager
-def running_server(model: str, api_key: str | None = None, max_waiting: int = 256, make_engine=None, **engine_options):
+def running_server(model: str, api_key: str | None = None, max_waiting: int = 256, make_engine=None, stream_interval: int = 1,
+                   **engine_options):
     """As `kvserve serve` runs: the engine in a process of its own, HTTP on a thread of this one."""
-    engine = AsyncEngine.start(EngineConfig(model=model, **engine_options), "test-model", max_waiting, make_engine)
+    engine = AsyncEngine.start(EngineConfig(model=model, **engine_options), "test-model", max_waiting, make_engine,
+                               stream_interval=stream_interval)
     app = create_app(engine, "test-model", api_key=api_key)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

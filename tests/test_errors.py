@@ -82,6 +82,7 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
     (["distill", "--mlp", "-1"], "--mlp must be >= 0, got -1"),
     (["distill", "--eagle", "--depth", "0"], "--depth must be 1..8, got 0"),
     (["serve", "--port", "99999"], "--port must be in [1, 65535], got 99999"),  # uvloop bound 34463 and said nothing
+    (["serve", "--stream-interval", "0"], "--stream-interval must be >= 1, got 0"),
     (["eval", "--passkey-trials", "0"], "eval's passkey_trials (--passkey-trials) must be >= 1, got 0"),  # was a KeyError
     (["distill", "--steps", "0"], "--steps must be >= 1, got 0"),  # was a ZeroDivisionError
     (["distill", "--seq-len", "1"], "--seq-len must be >= 2, got 1"),  # was an AttributeError

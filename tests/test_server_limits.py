@@ -1,6 +1,7 @@
 """Server limits on a tiny model: API key, bounded waiting queue, clean shutdown on SIGTERM."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -80,6 +81,32 @@ def test_kv_state_needs_the_key(secured):
 def _gauge(url: str, name: str) -> float:
     line = next(l for l in httpx.get(f"{url}/metrics").text.splitlines() if l.startswith(f"kvserve:{name}{{"))
     return float(line.split()[-1])
+
+
+def test_a_stream_interval_sends_the_same_completion_in_fewer_events(tiny_model_dir):
+    """Interval 4: 17 tokens come in 5 events (the first token alone, then 4 at a time), streamed or not the same
+    tokens and logprobs; /metrics counts every token and every gap between two; a client that leaves mid-stream
+    still frees its blocks."""
+    body = {**BODY, "max_tokens": 17, "temperature": 0, "logprobs": 1}
+    with running_server(str(tiny_model_dir), stream_interval=4) as (url, _):
+        whole = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        parts = [e["choices"][0]["logprobs"] for e in events]
+        assert [len(p["tokens"]) for p in parts] == [1, 4, 4, 4, 4]
+        assert sum((p["tokens"] for p in parts), []) == whole["tokens"] and len(whole["tokens"]) == 17
+        assert sum((p["token_logprobs"] for p in parts), []) == whole["token_logprobs"]
+        assert (_gauge(url, "generation_tokens_total"), _gauge(url, "inter_token_latency_seconds_count")) == (34, 32)
+        idle = kv_usage(url)
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "max_tokens": 400, "stream": True}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            assert kv_usage(url) > idle
+        deadline = time.time() + 20
+        while kv_usage(url) != idle:
+            assert time.time() < deadline, "the request that left kept its KV blocks"
+            time.sleep(0.05)
 
 
 def test_a_failing_step_fails_its_requests_and_the_server_goes_on(tiny_model_dir):

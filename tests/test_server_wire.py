@@ -2,20 +2,28 @@
 rebuilds every output exactly as the engine made it."""
 from __future__ import annotations
 
+import multiprocessing
 import pickle
+from collections import Counter
 from dataclasses import replace
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.engine_core import from_wire, to_wire
+from kvserve.server.engine_core import EngineCore, from_wire, to_wire
+
+REQUESTS = {"plain": SamplingParams(temperature=0, max_tokens=24),
+            "n2": SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=20, logprobs=2),
+            "stopped": SamplingParams(temperature=0, max_tokens=40, stop=["\n"], prompt_logprobs=1)}
+
+
+def add_requests(engine) -> dict:
+    for request_id, params in REQUESTS.items():
+        engine.add_request("The three primary colors are", params, request_id=request_id)
+    return REQUESTS
 
 
 def test_outputs_rebuilt_from_what_each_step_added_equal_the_engines(smollm2):
     engine = smollm2.engine
-    requests = {"plain": SamplingParams(temperature=0, max_tokens=24),
-                "n2": SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=20, logprobs=2),
-                "stopped": SamplingParams(temperature=0, max_tokens=40, stop=["\n"], prompt_logprobs=1)}
-    for request_id, params in requests.items():
-        engine.add_request("The three primary colors are", params, request_id=request_id)
+    requests = add_requests(engine)
     last, seen, steps, sizes = {}, set(), 0, []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -33,3 +41,37 @@ def test_outputs_rebuilt_from_what_each_step_added_equal_the_engines(smollm2):
     assert {r: o.finished for r, o in last.items()} == dict.fromkeys(requests, True) and steps > 20
     assert last["stopped"].outputs[0].finish_reason == "stop" and last["n2"].outputs[1].logprobs
     assert max(sizes[len(requests):-len(requests)]) < 1500  # a step's message does not grow with the output
+
+
+class Sent(list):
+    """Stands in for the events pipe: what the engine core sends, each message pickled as the pipe would."""
+
+    def send(self, message: tuple) -> None:
+        self.append(pickle.loads(pickle.dumps(message)))
+
+
+def test_a_stream_interval_sends_each_requests_steps_merged_and_they_rebuild_its_outputs(smollm2):
+    """Interval 4: a request's first output goes alone, then one per 4 steps, and the last as soon as it is made;
+    rebuilt, they end in the outputs the engine made step by step (text, token ids, logprobs, metrics)."""
+    engine, sent = smollm2.engine, Sent()
+    core = EngineCore(engine, multiprocessing.Pipe(duplex=False)[0], sent, max_waiting=8, stream_interval=4)
+    add_requests(engine)
+    finals, made = {}, Counter()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        made.update(out.request_id for out in outputs)
+        finals.update((out.request_id, out) for out in outputs if out.finished)
+        core._send_step(outputs, False)
+    last, held = {}, {}
+    for kind, wired, _, _ in sent:
+        assert kind == "step"
+        for item in wired:
+            held.setdefault(item[0], []).append(item[4])
+            last[item[0]] = from_wire(item, last.get(item[0]))
+    for request_id, out in finals.items():  # the last message's new text and ids are those of the steps it merged
+        assert replace(last[request_id], outputs=[replace(c, new_text=e.new_text, new_token_ids=e.new_token_ids)
+                                                  for c, e in zip(last[request_id].outputs, out.outputs)]) == out
+    assert last.keys() == finals.keys() and not core._held
+    for request_id, steps in held.items():
+        assert sum(steps) == made[request_id] > 12
+        assert steps[0] == 1 and set(steps[1:-1]) == {4} and 1 <= steps[-1] <= 4, steps

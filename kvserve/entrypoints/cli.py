@@ -209,10 +209,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if args.max_waiting < 1:
         raise KVServeError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if args.stream_interval < 1:
+        raise KVServeError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if not 1 <= args.port <= 65535:  # uvloop would bind the port modulo 65536 and say nothing
         raise KVServeError(f"--port must be in [1, 65535], got {args.port}")
     name = args.served_model_name or args.model
-    engine = AsyncEngine.start(engine_config(args), name, args.max_waiting, describe=serve_description, place=True)
+    engine = AsyncEngine.start(engine_config(args), name, args.max_waiting, describe=serve_description, place=True,
+                               stream_interval=args.stream_interval)
     try:
         app = create_app(engine, name, api_key=args.api_key)
         print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} ({engine.facts.description}", file=sys.stderr)
@@ -235,6 +238,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond this get HTTP 503")
+    serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                       help="send each request's new tokens every N steps, merged (its first and last at once): less "
+                            "CPU a token for the server and its clients, burstier streams (default 1: every step)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=cmd_serve)
 

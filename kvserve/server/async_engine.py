@@ -53,17 +53,18 @@ class AsyncEngine:
 
     @classmethod
     def start(cls, config: EngineConfig, model_name: str, max_waiting: int = 256, make_engine: Callable | None = None,
-              describe: Callable | None = None, place: bool = False) -> AsyncEngine:
+              describe: Callable | None = None, place: bool = False, stream_interval: int = 1) -> AsyncEngine:
         """Start the engine process and wait until it has loaded (its KVServeError if it could not).
 
         make_engine(config) builds the engine there (default LLMEngine); describe(engine) words the startup line;
         place: bind the engine's OpenMP threads to cores and move this whole process to the last one's (Linux, more
-        than one CPU, OMP_PROC_BIND and OMP_PLACES unset), as `kvserve serve` does."""
+        than one CPU, OMP_PROC_BIND and OMP_PLACES unset), as `kvserve serve` does; stream_interval: a request's
+        outputs come merged, every that many steps (its first and last at once)."""
         context = multiprocessing.get_context("spawn")  # a forked child would inherit torch's threads half-made
         commands, child_commands = context.Pipe(duplex=False)[::-1]
         child_events, events = context.Pipe(duplex=False)[::-1]
         process = context.Process(target=engine_core.main, name="kvserve-engine", daemon=True,
-                                  args=(config, child_commands, child_events, max_waiting, make_engine, describe))
+                                  args=(config, child_commands, child_events, max_waiting, stream_interval, make_engine, describe))
         cpu = _http_cpu() if place else None
         with _environment(BINDING if cpu is not None else {}):
             process.start()
@@ -190,7 +191,7 @@ class AsyncEngine:
             out = from_wire(item, last.pop(request_id, None))
             if not out.finished:
                 last[request_id] = out
-            self._record(out, now)
+            self._record(out, now, item[4])
             self._put(request_id, out)
         for _ in range(aborted):
             m.record_finished("abort")
@@ -204,18 +205,20 @@ class AsyncEngine:
         if outputs is not None:
             outputs.put_nowait(item)
 
-    def _record(self, out: RequestOutput, now: float) -> None:
+    def _record(self, out: RequestOutput, now: float, steps: int) -> None:
+        """One output, which holds `steps` steps' tokens (merged by the stream interval): each step's gap is their
+        share of the time since the request's last output."""
         m, recent = self.metrics, self.recent
         if out.request_id not in recent.last_token:  # its first tokens
             m.ttft.observe(out.metrics.ttft)
             m.queue_time.observe(out.metrics.queue_time or 0.0)
             recent.ttft.append(out.metrics.ttft)
         else:
-            gap = now - recent.last_token[out.request_id]
-            self._gaps.append(gap)
-            recent.itl.append(gap)
+            gaps = [(now - recent.last_token[out.request_id]) / steps] * steps
+            self._gaps += gaps
+            recent.itl.extend(gaps)
         recent.last_token[out.request_id] = now
-        recent.token_times.append(now)
+        recent.token_times.extend([now] * steps)
         if out.finished:
             m.e2e.observe(out.metrics.e2e_latency)
             for c in out.outputs:

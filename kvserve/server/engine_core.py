@@ -7,6 +7,10 @@ kvserve.server.async_engine for the placement).
 To the engine: ("add", key, [(request_id, token_ids, params), ...]), ("abort", request_id), ("snapshot", key),
 ("stop",). From it: ("ready", EngineFacts) or ("failed", error) once, then ("reply", key, value or error),
 ("step", outputs, stats or None, aborted requests) and ("lost", [(request_id, message), ...]).
+
+With a stream interval of N steps, a request's outputs are merged and sent every N steps (its first and last at
+once): one message, one SSE event and one client wake-up carry N steps' tokens. At one client on 2 cores, 4 halved
+the HTTP process's CPU a token (bench/serve.py: 234 to 117 us).
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ class EngineFacts:
     description: str  # how the engine describes itself on the startup line
 
 
-def main(config: EngineConfig, commands: Connection, events: Connection, max_waiting: int,
+def main(config: EngineConfig, commands: Connection, events: Connection, max_waiting: int, stream_interval: int,
          make_engine: Callable | None, describe: Callable | None) -> None:
     """The engine process: load, say so, serve commands until told to stop or the HTTP process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the HTTP process stops us
@@ -66,22 +70,31 @@ def main(config: EngineConfig, commands: Connection, events: Connection, max_wai
     events.send(("ready", EngineFacts(checkpoint.tokenizer, config.model, engine.max_request_tokens,
                                       checkpoint.config.vocab_size, engine.layout.to_dict(), engine.kv_usage()["total_bytes"],
                                       describe(engine) if describe else "")))
-    EngineCore(engine, commands, events, max_waiting).run()
+    EngineCore(engine, commands, events, max_waiting, stream_interval).run()
 
 
 def to_wire(out: RequestOutput, first: bool) -> tuple:
     """A step's output as the HTTP process gets it: plain tuples of what the step added (a slotted dataclass pickles
     through Python code, and every token's cumulative text and ids grew the message), the prompt's fields and the
-    metrics on a request's first and last outputs. (The server never asks for prompt_distributions.)"""
+    metrics on a request's first and last outputs, and how many steps it holds (1; more once merged). (The server never
+    asks for prompt_distributions.)"""
     completions = [(c.new_text, c.new_token_ids, c.cumulative_logprob, c.finish_reason, c.stop_reason,
                     None if c.logprobs is None else c.logprobs[len(c.logprobs) - len(c.new_token_ids):]) for c in out.outputs]
     whole = (out.prompt, out.prompt_token_ids, out.prompt_logprobs, out.metrics) if first or out.finished else None
-    return out.request_id, out.finished, completions, whole
+    return out.request_id, out.finished, completions, whole, 1
+
+
+def merge_wire(earlier: tuple, later: tuple) -> tuple:
+    """Two consecutive outputs of a request as one, as if one step had added what both did. (The earlier one is
+    never the request's first, so only the later can carry the prompt's fields.)"""
+    completions = [(a[0] + b[0], a[1] + b[1], *b[2:5], None if b[5] is None else a[5] + b[5])
+                   for a, b in zip(earlier[2], later[2])]
+    return later[0], later[1], completions, later[3], earlier[4] + later[4]
 
 
 def from_wire(item: tuple, last: RequestOutput | None) -> RequestOutput:
     """The request's output again, from what to_wire sent and its previous output."""
-    request_id, finished, completions, whole = item
+    request_id, finished, completions, whole, _ = item
     prompt, prompt_ids, prompt_logprobs, metrics = whole or (last.prompt, last.prompt_token_ids, last.prompt_logprobs, last.metrics)
     outputs = []
     for i, (text, ids, cumulative, reason, stop, logprobs) in enumerate(completions):
@@ -92,8 +105,10 @@ def from_wire(item: tuple, last: RequestOutput | None) -> RequestOutput:
 
 
 class EngineCore:
-    def __init__(self, engine, commands: Connection, events: Connection, max_waiting: int):
+    def __init__(self, engine, commands: Connection, events: Connection, max_waiting: int, stream_interval: int = 1):
         self.engine, self.commands, self.events, self.max_waiting = engine, commands, events, max_waiting
+        self.stream_interval = stream_interval
+        self._held: dict[str, tuple] = {}  # outputs not sent yet: fewer than stream_interval steps' worth
         self._flushed = 0.0  # when stats were last sent
         self._aborted = 0  # requests aborted since stats were last sent
         self._started: set[str] = set()  # requests that have sent outputs and not finished
@@ -130,6 +145,7 @@ class EngineCore:
             self.events.send(("reply", command[1], self._add(command[2])))
         elif kind == "abort":
             self._started.discard(command[1])
+            self._held.pop(command[1], None)
             if command[1] in self.engine.requests:
                 self.engine.abort_request(command[1])
                 self._aborted += 1
@@ -172,14 +188,32 @@ class EngineCore:
                 started.discard(out.request_id)
             else:
                 started.add(out.request_id)
+        if self.stream_interval > 1:
+            wired = self._hold(wired)
+            if not wired and stats is None:
+                return
         self.events.send(("step", wired, stats, self._aborted))
         self._aborted = 0
+
+    def _hold(self, wired: list[tuple]) -> list[tuple]:
+        """What to send of these outputs, each merged with what its request held: a request's first and last
+        outputs, and any with stream_interval steps; the others wait."""
+        send = []
+        for item in wired:
+            if (held := self._held.pop(item[0], None)) is not None:
+                item = merge_wire(held, item)
+            if item[3] is not None or item[4] >= self.stream_interval:  # item[3]: a first or last output's prompt fields
+                send.append(item)
+            else:
+                self._held[item[0]] = item
+        return send
 
     def _fail_all(self, error: Exception) -> None:
         failed = list(self.engine.requests)
         for request_id in failed:
             self.engine.abort_request(request_id)
             self._started.discard(request_id)
+            self._held.pop(request_id, None)
         self.events.send(("lost", [(r, f"the engine failed on this request's step: {error}") for r in failed]))
         self._send_step([], True)
 
