@@ -162,7 +162,8 @@ def test_a_model_drafts_gate_is_shared_by_all_sequences():
     ("medusa", "unknown speculative proposer 'medusa'"), ("ngram:k", "'k' is not name=value"),
     ("ngram:k=four", "option k must be an integer, got 'four'"), ("draft:k=2", "needs model=PATH"), ("ngram:depth=3", "bad options for the ngram proposer"),
     ("ngram:k=0", "1 <= k <= 16"), ("ngram:n=2,min_n=3", "min_n <= n"), ("draft:model=d,vocab=-5", "vocab must be >= 0"),
-    ("draft:model=d,vocab=all", "option vocab must be an integer, got 'all'"), ("eagle:model=d,width=9", "width must be 1 to 8, got 9"),
+    ("draft:model=d,vocab=all", "option vocab must be an integer, got 'all'"), ("eagle:model=d,width=9", "got width=9, lookup=4"),
+    ("eagle:model=d,lookup=-1", "its lookup 0 to 16, got width=1, lookup=-1"),
 ])
 def test_bad_speculative_options_name_the_value(text, message):
     with pytest.raises(KVServeError, match=message):
@@ -555,6 +556,13 @@ def test_distill_eagle_trains_a_feature_draft_whose_guesses_verify(tmp_path):
     assert spec.engine.proposer.head.head.out_features == 200
 
 
+class Guessing:
+    """What a proposer reads of a sequence, for asking it outside the engine."""
+
+    def __init__(self, token_ids: list[int] | None = None):
+        self.spec_state, self.token_ids = None, token_ids or []
+
+
 @pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
 def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smollm2):
     """On a GGUF target (embedding and head packed) a feature draft's steps run as one native op: its guesses are
@@ -579,7 +587,7 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
     wide = proposer.guess(tokens, features, 2)
     assert torch.equal(wide, fused.propose(tokens, features, 2, 3))
     assert wide.shape == (4, 4) and torch.equal(wide[:, :2], guesses[:, :2])
-    assert all(len(set(row[[0, 2, 3]].tolist())) == 3 for row in wide) and proposer.parents(None, 4) == [-1, 0, -1, -1]
+    assert all(len(set(row[[0, 2, 3]].tolist())) == 3 for row in wide) and proposer.parents(Guessing(), 4) == [-1, 0, -1, -1]
     proposer.fused = fused
     assert torch.equal(proposer.guess(tokens, features, 2), wide)
     proposer.width = 1
@@ -593,6 +601,27 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
     assert sum(o.metrics.num_draft_tokens for o in tree) > sum(o.metrics.num_draft_tokens for o in spec)
     with pytest.raises(RuntimeError, match="past the embedding"):
         fused.propose(torch.tensor([49152]), features[:1], 1, 1)
+
+
+def test_eagle_guesses_by_lookup_where_the_text_repeats(tmp_path, smollm2):
+    """A random feature draft guesses badly; with lookup, where the text's last 3 tokens occurred before, it guesses
+    what followed them there (a chain, beside a tree's draft guesses elsewhere): copying, many more guesses are kept
+    and greedy output stays the model's."""
+    from kvserve.spec_decode.eagle import FeatureDraft
+
+    torch.manual_seed(0)
+    FeatureDraft(576, 128, 1e-5).save(tmp_path, list(range(0, 49152, 4)))
+    prompts, params = [smollm2.apply_chat_template(COPY), "Once upon a time"], greedy(48)
+    plain = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
+    kept = {}
+    for lookup in (0, 4):
+        llm = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=1,width=2,lookup={lookup},min_acceptance=0", **FP32)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == plain
+        kept[lookup] = outs[0].metrics.num_accepted_tokens
+    assert kept[4] >= 15 and kept[4] > 4 * kept[0]
+    proposer, seq = llm.engine.proposer, Guessing([5, 6, 7, 8, 5, 6, 7])
+    assert proposer.propose([seq], [4]) == [[8, 5, 6, 7]] and proposer.parents(seq, 4) == [-1, 0, 1, 2]
 
 
 def test_an_eagle_draft_must_match_the_model(tmp_path, tiny_model_dir):

@@ -22,14 +22,8 @@ class NgramProposer(Proposer):
 
     def _propose(self, seq, limit: int) -> list[int]:
         state = self.state(seq)
-        index = state.own = state.own or NgramIndex(self.min_n, self.n)
-        tokens = seq.token_ids
-        index.add(tokens)
-        for n in range(self.n, self.min_n - 1, -1):
-            start = index.last_seen[n - self.min_n].get(tuple(tokens[-n:])) if len(tokens) > n else None
-            if start is not None:
-                return tokens[start + n:start + n + limit]
-        return []
+        state.own = state.own or NgramIndex(self.min_n, self.n)
+        return state.own.continuation(seq.token_ids, limit)
 
 
 class NgramIndex:
@@ -40,6 +34,17 @@ class NgramIndex:
         self.sizes = range(min_n, max_n + 1)
         self.last_seen: list[dict[tuple[int, ...], int]] = [{} for _ in self.sizes]
         self.next_start = [0 for _ in self.sizes]
+
+    def continuation(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the longest n-gram `tokens` ends with
+        (the new tokens indexed first)."""
+        self.add(tokens)
+        for i in reversed(range(len(self.sizes))):
+            n = self.sizes[i]
+            start = self.last_seen[i].get(tuple(tokens[-n:])) if len(tokens) > n else None
+            if start is not None:
+                return tokens[start + n:start + n + limit]
+        return []
 
     def add(self, tokens: list[int]) -> None:
         for i, n in enumerate(self.sizes):
