@@ -54,7 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "layers' K/V from that layer on (per engine)")
     parser.add_argument("--speculative", default=None, metavar="PROPOSER",
                         help="speculative decoding, NAME[:key=value,...]: ngram[:k=5,n=3] (prompt lookup), "
-                             "draft:model=PATH[,k=4] (a small model), self:layers=N[,k=3] (the model's first N layers)")
+                             "draft:model=PATH[,k=4] (a small model), self:layers=N[,k=3] (the model's first N layers), "
+                             "eagle:model=DIR[,k=2,width=1,lookup=4] (a feature draft from kvserve distill --eagle)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's output never depends on what shares its steps or how its prompt is chunked "
                              "(GGUF models on the native CPU kernels; long prompts prefill slower)")
