@@ -162,8 +162,9 @@ def test_a_model_drafts_gate_is_shared_by_all_sequences():
     ("medusa", "unknown speculative proposer 'medusa'"), ("ngram:k", "'k' is not name=value"),
     ("ngram:k=four", "option k must be an integer, got 'four'"), ("draft:k=2", "needs model=PATH"), ("ngram:depth=3", "bad options for the ngram proposer"),
     ("ngram:k=0", "1 <= k <= 16"), ("ngram:n=2,min_n=3", "min_n <= n"), ("draft:model=d,vocab=-5", "vocab must be >= 0"),
-    ("draft:model=d,vocab=all", "option vocab must be an integer, got 'all'"), ("eagle:model=d,width=9", "got width=9, lookup=4"),
-    ("eagle:model=d,lookup=-1", "its lookup 0 to 16, got width=1, lookup=-1"),
+    ("draft:model=d,vocab=all", "option vocab must be an integer, got 'all'"), ("eagle:model=d,width=9", "got width=9, lookup=4, vocab=0"),
+    ("eagle:model=d,lookup=-1", "lookup 0 to 16 and its vocab >= 0 .0: every token the draft lists., got width=1, lookup=-1, vocab=0"),
+    ("eagle:model=d,vocab=-2", "got width=1, lookup=4, vocab=-2"),
 ])
 def test_bad_speculative_options_name_the_value(text, message):
     with pytest.raises(KVServeError, match=message):
@@ -634,6 +635,9 @@ def test_an_eagle_draft_must_match_the_model(tmp_path, tiny_model_dir):
         LLM(str(tiny_model_dir), speculative=f"eagle:model={tmp_path / 'other'}")
     with pytest.raises(KVServeError, match="needs model=DIR"):
         LLM(str(tiny_model_dir), speculative="eagle")
+    FeatureDraft(64, 64, 1e-5).save(tmp_path / "listed", [9, 4, 200, 7])
+    head = LLM(str(tiny_model_dir), speculative=f"eagle:model={tmp_path / 'listed'},vocab=2").engine.proposer.head
+    assert head.ids.tolist() == [9, 4] and head.head.out_features == 2  # the draft's two most frequent tokens
 
 
 def test_narrowing_an_mlp_keeps_its_most_active_neurons(tmp_path):
