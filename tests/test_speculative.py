@@ -162,9 +162,9 @@ def test_a_model_drafts_gate_is_shared_by_all_sequences():
     ("medusa", "unknown speculative proposer 'medusa'"), ("ngram:k", "'k' is not name=value"),
     ("ngram:k=four", "option k must be an integer, got 'four'"), ("draft:k=2", "needs model=PATH"), ("ngram:depth=3", "bad options for the ngram proposer"),
     ("ngram:k=0", "1 <= k <= 16"), ("ngram:n=2,min_n=3", "min_n <= n"), ("draft:model=d,vocab=-5", "vocab must be >= 0"),
-    ("draft:model=d,vocab=all", "option vocab must be an integer, got 'all'"), ("eagle:model=d,width=9", "got width=9, lookup=4, vocab=0"),
-    ("eagle:model=d,lookup=-1", "lookup 0 to 16 and its vocab >= 0 .0: every token the draft lists., got width=1, lookup=-1, vocab=0"),
-    ("eagle:model=d,vocab=-2", "got width=1, lookup=4, vocab=-2"),
+    ("draft:model=d,vocab=all", "option vocab must be an integer, got 'all'"), ("eagle:model=d,width=9", "got width=9, vocab=0"),
+    ("eagle:model=d,lookup=-1", "0 <= lookup <= 16, got k=1, min_acceptance=15, window=32, max_batch=4, lookup=-1"),
+    ("eagle:model=d,vocab=-2", "got width=1, vocab=-2"),
 ])
 def test_bad_speculative_options_name_the_value(text, message):
     with pytest.raises(KVServeError, match=message):
@@ -208,7 +208,7 @@ def test_greedy_batched_with_prefix_hits_and_stops_equals_plain_decoding(smollm2
     assert smollm2_ngram.engine.kv_manager.pool.num_used == 0
 
 
-@pytest.mark.parametrize("speculative", ["self:layers=20", "draft:model=smollm2-135m,k=3"])
+@pytest.mark.parametrize("speculative", ["self:layers=20,lookup=4", "draft:model=smollm2-135m,k=3"])
 def test_model_drafts_keep_greedy_outputs(smollm2, speculative):
     prompts = ["Once upon a time", "def fib(n):", smollm2.apply_chat_template(COPY)]
     params = [greedy(40), greedy(24), greedy(30)]
@@ -604,25 +604,26 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
         fused.propose(torch.tensor([49152]), features[:1], 1, 1)
 
 
-def test_eagle_guesses_by_lookup_where_the_text_repeats(tmp_path, smollm2):
-    """A random feature draft guesses badly; with lookup, where the text's last 3 tokens occurred before, it guesses
-    what followed them there (a chain, beside a tree's draft guesses elsewhere): copying, many more guesses are kept
-    and greedy output stays the model's."""
+def test_model_proposers_guess_by_lookup_where_the_text_repeats(tmp_path, smollm2):
+    """A random feature draft and the model's first layer guess badly; with lookup, where the text's last 3 tokens
+    occurred before, they guess what followed them there (a chain, beside a tree's draft guesses elsewhere):
+    copying, many more guesses are kept and greedy output stays the model's."""
     from kvserve.spec_decode.eagle import FeatureDraft
 
     torch.manual_seed(0)
     FeatureDraft(576, 128, 1e-5).save(tmp_path, list(range(0, 49152, 4)))
     prompts, params = [smollm2.apply_chat_template(COPY), "Once upon a time"], greedy(48)
     plain = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
-    kept = {}
-    for lookup in (0, 4):
-        llm = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=1,width=2,lookup={lookup},min_acceptance=0", **FP32)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == plain
-        kept[lookup] = outs[0].metrics.num_accepted_tokens
-    assert kept[4] >= 15 and kept[4] > 4 * kept[0]
+    for proposer in (f"eagle:model={tmp_path},k=1,width=2", "self:layers=1,k=1"):
+        kept = {}
+        for lookup in (0, 4):
+            llm = LLM("smollm2-135m", speculative=f"{proposer},lookup={lookup},min_acceptance=0", **FP32)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == plain
+            kept[lookup] = outs[0].metrics.num_accepted_tokens
+        assert kept[4] >= 15 and kept[4] > 2 * kept[0], (proposer, kept)
     proposer, seq = llm.engine.proposer, Guessing([5, 6, 7, 8, 5, 6, 7])
-    assert proposer.propose([seq], [4]) == [[8, 5, 6, 7]] and proposer.parents(seq, 4) == [-1, 0, 1, 2]
+    assert proposer.guesses([seq], [4]) == [[8, 5, 6, 7]] and proposer.parents(seq, 4) == [-1, 0, 1, 2]
 
 
 def test_an_eagle_draft_must_match_the_model(tmp_path, tiny_model_dir):

@@ -288,7 +288,7 @@ class LLMEngine:
                 if limit > 0:
                     seqs.append(seq)
                     limits.append(limit)
-        for seq, guesses in zip(seqs, self.proposer.propose(seqs, limits) if seqs else []):
+        for seq, guesses in zip(seqs, self.proposer.guesses(seqs, limits) if seqs else []):
             seq.draft_token_ids, seq.draft_parents = guesses, self.proposer.parents(seq, len(guesses))
 
     def _verified(self, step: StepOutput) -> dict[Sequence, int]:

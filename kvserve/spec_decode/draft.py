@@ -41,10 +41,14 @@ def write_draft_vocab(directory: Path, vocab: list[int] | None) -> None:
 
 
 class ModelProposer(Proposer):
+    """A draft model with a paged KV cache of its own. `lookup` is off by default: its guesses still cost the draft
+    a catch-up pass over the tokens they kept, and the shared gate shuts on the model's misses between them
+    (`self:layers=10` rewriting a paragraph: 0.90x with lookup=4, 0.97x without; open generation 0.98x and 0.94x)."""
+
     shared_gate = True
 
-    def __init__(self, k: int, min_acceptance: int, window: int, max_batch: int):
-        super().__init__(k, min_acceptance, window, max_batch)
+    def __init__(self, k: int, min_acceptance: int, window: int, max_batch: int, lookup: int):
+        super().__init__(k, min_acceptance, window, max_batch, lookup)
         self.runner: ModelRunner | None = None
         self.kv: KVManager | None = None
 
@@ -115,9 +119,9 @@ class ModelProposer(Proposer):
 
 
 class DraftProposer(ModelProposer):
-    def __init__(self, model: str = "", k: int = 4, vocab: int = 0, min_acceptance: int = 50, window: int = 16,
+    def __init__(self, model: str = "", k: int = 4, vocab: int = 0, lookup: int = 0, min_acceptance: int = 50, window: int = 16,
                  max_batch: int = MAX_BATCH):
-        super().__init__(k, min_acceptance, window, max_batch)
+        super().__init__(k, min_acceptance, window, max_batch, lookup)
         if not model or not isinstance(model, str):
             raise KVServeError("the draft proposer needs model=PATH (a Hugging Face directory or .gguf file)")
         check_ints(vocab=vocab)
@@ -136,8 +140,9 @@ class DraftProposer(ModelProposer):
 
 
 class SelfProposer(ModelProposer):
-    def __init__(self, layers: int = 0, k: int = 3, min_acceptance: int = 50, window: int = 16, max_batch: int = MAX_BATCH):
-        super().__init__(k, min_acceptance, window, max_batch)
+    def __init__(self, layers: int = 0, k: int = 3, lookup: int = 0, min_acceptance: int = 50, window: int = 16,
+                 max_batch: int = MAX_BATCH):
+        super().__init__(k, min_acceptance, window, max_batch, lookup)
         check_ints(layers=layers)
         self.layers = layers
 

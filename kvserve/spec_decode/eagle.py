@@ -28,7 +28,6 @@ from kvserve.layers.quantized import gather_on_huge_pages
 from kvserve.models.base import CausalLM, use_q8_weights
 from kvserve.spec_decode import chain
 from kvserve.spec_decode.draft import read_draft_vocab, write_draft_vocab
-from kvserve.spec_decode.ngram import NgramIndex
 from kvserve.spec_decode.proposer import MAX_BATCH, Proposer, check_ints
 
 CONFIG, WEIGHTS = "eagle.json", "eagle.safetensors"
@@ -103,22 +102,20 @@ class EagleProposer(Proposer):
                  window: int = 32, max_batch: int = MAX_BATCH):
         """k = 0: as many guesses in a row as the draft was trained to make on its own predictions (its depth).
         width > 1: a tree, where the first guess has width - 1 other candidates beside it (the draft's next likeliest
-        tokens), each verified in the same pass. lookup > 0: where a sequence's last 3 tokens occurred earlier in
-        its prompt or output, up to `lookup` tokens that followed them there instead of the draft's (prompt lookup,
-        as `ngram` guesses): text that copies its context gets several tokens a step, and no draft step. (Rewriting
-        a paragraph, 1.70-1.81x where the draft alone made 1.03-1.07x; open generation alike with it or without.)
+        tokens), each verified in the same pass. lookup: see Proposer (rewriting a paragraph, 1.70-1.81x where the
+        draft alone made 1.03-1.07x; open generation alike with it or without).
         vocab > 0: only the first `vocab` of the tokens the draft lists (most frequent first), as `draft:vocab`: a
         smaller slice of the head to read (8,192 -> 2,048 rows: its step 0.25-0.31 -> 0.17-0.19 ms, 37.8% -> 36.8% of
         guesses kept on the benchmark's open prompts). The gate's min_acceptance is 15%: at two guesses a step, the
         second nearly free beside the draft's step, 15% of guessed tokens kept about pays for them (see the README)."""
-        super().__init__(k or 1, min_acceptance, window, max_batch)
-        check_ints(width=width, lookup=lookup, vocab=vocab)
+        super().__init__(k or 1, min_acceptance, window, max_batch, lookup)
+        check_ints(width=width, vocab=vocab)
         if not model or not isinstance(model, str):
             raise KVServeError("the eagle proposer needs model=DIR (made by kvserve distill --eagle)")
-        if not 1 <= width <= 8 or not 0 <= lookup <= 16 or vocab < 0:
-            raise KVServeError(f"the eagle proposer's width must be 1 to 8, its lookup 0 to 16 and its vocab >= 0 (0: every token "
-                               f"the draft lists), got width={width}, lookup={lookup}, vocab={vocab}")
-        self.model, self.k_given, self.width, self.lookup, self.vocab = model, bool(k), width, lookup, vocab
+        if not 1 <= width <= 8 or vocab < 0:
+            raise KVServeError(f"the eagle proposer's width must be 1 to 8 and its vocab >= 0 (0: every token the draft lists), "
+                               f"got width={width}, vocab={vocab}")
+        self.model, self.k_given, self.width, self.vocab = model, bool(k), width, vocab
 
     def start(self, engine) -> None:
         draft, vocab = FeatureDraft.load(Path(self.model))
@@ -147,37 +144,21 @@ class EagleProposer(Proposer):
             if not seq.is_finished:
                 self.state(seq).own = (seq.num_tokens, feature)
 
-    def lookahead(self, seq: Sequence) -> int:
-        k = super().lookahead(seq)
-        return max(k, self.lookup) if k else 0  # the draft's guesses stay at k (propose)
-
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        """Where lookup finds the text's last tokens before, what followed them; else k greedy steps (at most its
-        limit), then the first step's other candidates, for every sequence whose newest token came with its hidden
-        state (not one whose tokens a preemption's recompute or a stop string changed since)."""
-        guesses: list[list[int]] = [self._look_up(seq, limit) for seq, limit in zip(seqs, limits)]
-        ready = [i for i, seq in enumerate(seqs) if not guesses[i] and self.state(seq).own is not None
-                 and self.state(seq).own[0] == seq.num_tokens]
+        """k greedy steps (at most its limit), then the first step's other candidates, for every sequence whose
+        newest token came with its hidden state (not one whose tokens a preemption's recompute or a stop string
+        changed since)."""
+        ready = [i for i, seq in enumerate(seqs) if self.state(seq).own is not None and self.state(seq).own[0] == seq.num_tokens]
+        guesses: list[list[int]] = [[] for _ in seqs]
         if not ready:
             return guesses
-        limits = [min(limit, self.state(seq).k) for seq, limit in zip(seqs, limits)]
         tokens = torch.tensor([seqs[i].token_ids[-1] for i in ready], device=self.head.ids.device)
         features = torch.stack([self.state(seqs[i]).own[1] for i in ready])
         k = max(limits[i] for i in ready)
         for i, row in zip(ready, self.guess(tokens, features, k).tolist()):
             guesses[i] = row[:limits[i]] + row[k:]
         return guesses
-
-    def _look_up(self, seq: Sequence, limit: int) -> list[int]:
-        """Prompt lookup's guesses (none without `lookup`); the sequence's state remembers whether it made them."""
-        if not self.lookup:
-            return []
-        state = self.state(seq)
-        state.lookup = state.lookup or NgramIndex(3, 3)
-        copied = state.lookup.continuation(seq.token_ids, limit)
-        state.copied = bool(copied)
-        return copied
 
     def parents(self, seq: Sequence, count: int) -> list[int]:
         if self.state(seq).copied:

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvserve.errors import KVServeError
 from kvserve.spec_decode import chain
+from kvserve.spec_decode.lookup import NgramIndex
 
 # Guesses only while at most this many sequences decode in a step (each proposer's max_batch): on a 2-core CPU, 16
 # decoding requests with ngram guesses ran at 0.83x; one request's verification of 5 guesses costs ~2 steps.
@@ -36,24 +37,49 @@ def check_ints(**options) -> None:
 class Proposer:
     shared_gate = False  # one gate for all sequences: a model draft's quality is the draft's, not the text's
 
-    def __init__(self, k: int, min_acceptance: int, window: int, max_batch: int):
+    def __init__(self, k: int, min_acceptance: int, window: int, max_batch: int, lookup: int = 0):
         """Guesses of up to k tokens. Where the last `window` proposed tokens were accepted less than min_acceptance
         percent of the time, no guesses for `window` steps, twice as many after each further failing window (up to
         64x). No guesses in a step where more than max_batch sequences decode: a batch's step is compute-bound on a
-        CPU, so every guess row costs about what a token does."""
-        check_ints(k=k, min_acceptance=min_acceptance, window=window, max_batch=max_batch)
-        if not 1 <= k <= 16 or not 0 <= min_acceptance <= 100 or window < 1 or max_batch < 1:
-            raise KVServeError(f"speculative decoding needs 1 <= k <= 16, 0 <= min_acceptance <= 100, window >= 1 and "
-                               f"max_batch >= 1, got k={k}, min_acceptance={min_acceptance}, window={window}, max_batch={max_batch}")
-        self.k, self.min_acceptance, self.window, self.max_batch = k, min_acceptance, window, max_batch
+        CPU, so every guess row costs about what a token does. lookup > 0 (the model proposers): where a sequence's
+        last 3 tokens occurred earlier in its prompt or output, up to `lookup` tokens that followed them there
+        instead of the model's (prompt lookup, as `ngram` guesses): text that copies its context gets several tokens
+        a step, and no draft step."""
+        check_ints(k=k, min_acceptance=min_acceptance, window=window, max_batch=max_batch, lookup=lookup)
+        if not 1 <= k <= 16 or not 0 <= min_acceptance <= 100 or window < 1 or max_batch < 1 or not 0 <= lookup <= 16:
+            raise KVServeError(f"speculative decoding needs 1 <= k <= 16, 0 <= min_acceptance <= 100, window >= 1, max_batch >= 1 "
+                               f"and 0 <= lookup <= 16, got k={k}, min_acceptance={min_acceptance}, window={window}, "
+                               f"max_batch={max_batch}, lookup={lookup}")
+        self.k, self.min_acceptance, self.window, self.max_batch, self.lookup = k, min_acceptance, window, max_batch, lookup
         self.shared = SpecState(k)
 
     def start(self, engine) -> None:
         """Load what the proposer needs from the engine it serves (a draft model, the target's layers)."""
 
+    def guesses(self, seqs: list, limits: list[int]) -> list[list[int]]:
+        """Up to `limit` guessed next tokens for each sequence: prompt lookup's where `lookup` finds the text's last
+        tokens before, else the proposer's own (up to its k), one batch for all."""
+        guesses = [self._look_up(seq, limit) for seq, limit in zip(seqs, limits)]
+        rest = [i for i, found in enumerate(guesses) if not found]
+        if rest:
+            own = self.propose([seqs[i] for i in rest], [min(limits[i], self.state(seqs[i]).k) for i in rest])
+            for i, found in zip(rest, own):
+                guesses[i] = found
+        return guesses
+
     def propose(self, seqs: list, limits: list[int]) -> list[list[int]]:
-        """Up to `limit` guessed next tokens for each sequence, one batch for all."""
+        """The proposer's own guesses: up to `limit` next tokens for each sequence, one batch for all."""
         raise NotImplementedError
+
+    def _look_up(self, seq, limit: int) -> list[int]:
+        """Prompt lookup's guesses (none without `lookup`); the sequence's state remembers whether it made them."""
+        if not self.lookup:
+            return []
+        state = self.state(seq)
+        state.lookup = state.lookup or NgramIndex(3, 3)
+        copied = state.lookup.continuation(seq.token_ids, limit)
+        state.copied = bool(copied)
+        return copied
 
     def parents(self, seq, count: int) -> list[int]:
         """The tree of the `count` guesses `propose` just made for a sequence: each one's parent guess (-1: the
@@ -71,7 +97,7 @@ class Proposer:
         if gate.paused > 0:
             gate.paused -= 0 if self.shared_gate else 1
             return 0
-        return self.state(seq).k
+        return max(self.state(seq).k, self.lookup)  # the proposer's own guesses stay within k (guesses)
 
     def record(self, seq, proposed: int, accepted: int) -> None:
         """After verification: the next guess's length (a tree's: its deepest path), and the gate."""
