@@ -38,9 +38,9 @@ def percentile(values: list[float], q: float) -> float:
 
 class Stream:
     """One streaming completion on a socket, parsed only as far as needed: an event with choices is an arrival (a
-    step's tokens, or N steps' at a stream interval of N); only the last event, the usage, is decoded as JSON. On a 2-core machine the load generator shares the
-    cores the engine computes on: httpx's streaming took 350-410 us of CPU a token here, an asyncio connection that
-    read chunk by chunk and decoded every event 190-256 us, this 123-164."""
+    step's tokens, or N steps' at a stream interval of N); only the last event, the usage, is decoded as JSON. On a
+    2-core machine the load generator shares the cores the engine computes on: httpx's streaming took 350-410 us of
+    CPU a token here, an asyncio connection that read chunk by chunk and decoded every event 190-256 us, this 123-164."""
 
     def __init__(self, host: str, port: int, prompt: list[int], new_tokens: int):
         body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,

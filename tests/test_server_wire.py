@@ -61,7 +61,7 @@ def test_a_stream_interval_sends_each_requests_steps_merged_and_they_rebuild_its
         outputs = engine.step()
         made.update(out.request_id for out in outputs)
         finals.update((out.request_id, out) for out in outputs if out.finished)
-        core._send_step(outputs, False)
+        core._send_step(outputs)
     last, held = {}, {}
     for kind, wired, _, _ in sent:
         assert kind == "step"

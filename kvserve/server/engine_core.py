@@ -128,7 +128,7 @@ class EngineCore:
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            self._send_step(outputs, any(out.finished or out.request_id not in self._started for out in outputs))
+            self._send_step(outputs)
 
     def _handle_commands(self, block: bool) -> bool:
         """Handle what has come (when idle, wait for something); False once told to stop or the other end is gone."""
@@ -174,16 +174,10 @@ class EngineCore:
             return e if isinstance(e, KVServeError) else RuntimeError(f"{type(e).__name__}: {e}")
         return None
 
-    def _send_step(self, outputs: list[RequestOutput], flush: bool) -> None:
-        """The step's outputs, with the stats when `flush` (a request's first or last output, an abort) or when they
-        are due; nothing when neither has anything."""
-        stats = None
-        if flush or time.perf_counter() - self._flushed >= STATS_PERIOD_S:
-            engine, self._flushed = self.engine, time.perf_counter()
-            stats = {"scheduler": engine.scheduler.stats, "usage": engine.kv_manager.usage(),  # the pool only: a Redis
-                     "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting)}  # tier's counts cost round trips
-        elif not outputs:
-            return
+    def _send_step(self, outputs: list[RequestOutput], flush: bool = False) -> None:
+        """The step's outputs, with the stats when `flush` (an abort, a failed step), when a request's first or last
+        output is among them (those carry its prompt's fields) or when they are due; nothing when neither has
+        anything."""
         started = self._started
         wired = [to_wire(out, out.request_id not in started) for out in outputs]
         for out in outputs:
@@ -191,6 +185,13 @@ class EngineCore:
                 started.discard(out.request_id)
             else:
                 started.add(out.request_id)
+        stats = None
+        if flush or any(item[3] is not None for item in wired) or time.perf_counter() - self._flushed >= STATS_PERIOD_S:
+            engine, self._flushed = self.engine, time.perf_counter()
+            stats = {"scheduler": engine.scheduler.stats, "usage": engine.kv_manager.usage(),  # the pool only: a Redis
+                     "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting)}  # tier's counts cost round trips
+        elif not outputs:
+            return
         if self.stream_interval > 1:
             wired = self._hold(wired)
             if not wired and stats is None:

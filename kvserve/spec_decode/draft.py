@@ -29,10 +29,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=1)
 DRAFT_VOCAB = "draft_vocab.json"  # {"token_ids": [...]}: the tokens a draft proposes, written by `kvserve distill`
 
 
-def read_draft_vocab(directory: Path) -> list[int] | None:
-    """The tokens a draft's directory lists (most frequent first); None: it lists none, so all."""
+def read_draft_vocab(directory: Path, first: int = 0) -> list[int] | None:
+    """The first `first` (0: all) of the tokens a draft's directory lists (most frequent first); None: it lists
+    none, so all."""
     listed = directory / DRAFT_VOCAB
-    return json.loads(listed.read_text())["token_ids"] if listed.is_file() else None
+    ids = json.loads(listed.read_text())["token_ids"] if listed.is_file() else None
+    return None if ids is None else ids[:first or len(ids)]
 
 
 def write_draft_vocab(directory: Path, vocab: list[int] | None) -> None:
@@ -135,8 +137,7 @@ class DraftProposer(ModelProposer):
 
     def vocab_ids(self, checkpoint: Checkpoint) -> list[int] | None:
         """The first `vocab` (0: all) of the tokens the draft's directory lists (DRAFT_VOCAB, most frequent first)."""
-        ids = read_draft_vocab(Path(checkpoint.path))
-        return None if ids is None else ids[:self.vocab or len(ids)]
+        return read_draft_vocab(Path(checkpoint.path), self.vocab)
 
 
 class SelfProposer(ModelProposer):

@@ -86,13 +86,13 @@ class FeatureDraft(nn.Module):
         write_draft_vocab(out, vocab)
 
     @classmethod
-    def load(cls, path: Path) -> tuple[FeatureDraft, list[int] | None]:
-        """The draft saved in a directory, and the tokens it may propose (None: all)."""
+    def load(cls, path: Path) -> FeatureDraft:
+        """The draft saved in a directory (read_draft_vocab reads the tokens it may propose)."""
         if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
             raise KVServeError(f"{path} is not a feature draft (it needs {CONFIG} and {WEIGHTS}; make one with kvserve distill --eagle)")
         draft = cls(**json.loads((path / CONFIG).read_text()))
         draft.load_state_dict(load_file(str(path / WEIGHTS)))
-        return draft.eval(), read_draft_vocab(path)
+        return draft.eval()
 
 
 class EagleProposer(Proposer):
@@ -118,8 +118,7 @@ class EagleProposer(Proposer):
         self.model, self.k_given, self.width, self.vocab = model, bool(k), width, vocab
 
     def start(self, engine) -> None:
-        draft, vocab = FeatureDraft.load(Path(self.model))
-        vocab = vocab[:self.vocab or len(vocab)] if vocab is not None else None
+        draft, vocab = FeatureDraft.load(Path(self.model)), read_draft_vocab(Path(self.model), self.vocab)
         target = engine.runner.model
         if draft.config["hidden_size"] != target.config.hidden_size:
             raise KVServeError(f"the feature draft reads hidden states of {draft.config['hidden_size']} values, the model's "

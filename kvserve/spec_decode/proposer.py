@@ -24,7 +24,7 @@ class SpecState:
         self.strikes = 0  # pauses in a row: each lasts twice as long as the one before
         self.history: deque[tuple[int, int]] = deque()  # (proposed, accepted) per verification
         self.own: Any = None
-        self.lookup: Any = None  # a model proposer's prompt-lookup index (NgramIndex), with its `lookup` option
+        self.lookup: NgramIndex | None = None  # a model proposer's prompt-lookup index, with its `lookup` option
         self.copied = False  # the last guesses came from that lookup, not the model
 
 
