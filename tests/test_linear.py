@@ -1,5 +1,6 @@
 """matmul_dtype: a float32 model's linear weights kept in bf16 (where the CPU multiplies bf16 natively), and
-what that costs in accuracy against fp32 on SmolLM2."""
+what that costs in accuracy against fp32 on SmolLM2. The SmolLM2 engines built here run on the CPU even where
+torch sees a GPU: the native kernels, their row limits and batch invariance are the CPU's."""
 from __future__ import annotations
 
 import sys
@@ -65,7 +66,7 @@ def test_bf16_matmuls_track_fp32_on_smollm2(smollm2, monkeypatch):
     """Teacher-forced over the fp32 model's own answer: the per-token KL and the greedy agreement bound the cost of
     bf16 tiles, which a prefill of more than 64 tokens multiplies where the CPU has AMX (stood in for here)."""
     monkeypatch.setattr(linear, "cpu_has_amx", lambda: True)
-    bf16 = LLM("smollm2-135m", matmul_dtype="bfloat16", kv_cache_memory="64MiB")
+    bf16 = LLM("smollm2-135m", device="cpu", matmul_dtype="bfloat16", kv_cache_memory="64MiB")
     assert bf16.engine.runner.model.layers[0].mlp.down_proj.kernel_rows == 64
     prompt = smollm2.engine.tokenize(smollm2.apply_chat_template(
         [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_special_tokens=False)
@@ -104,7 +105,7 @@ def test_int8_activations_track_fp32_on_smollm2(smollm2, chunk, no_amx):
     agreement bound the cost (measured on AVX-512: mean KL 5.1e-3 / 4.6e-3 / 4.6e-3, max 4.1e-2 / 4.0e-2 / 4.0e-2,
     agreement 95% / 96% / 96% for 1- / 4- / 1024-token steps, the last two equal as a row's numbers do not depend on
     its step's size; the Q4_1 weights themselves cost far more against the original model)."""
-    fast = LLM("smollm2-135m", kv_cache_memory="64MiB")
+    fast = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB")
     assert fast.engine.runner.model.describe_matmuls() == "int8 activations"
     assert smollm2.engine.runner.model.describe_matmuls() == "fp32"
     prompt = smollm2.engine.tokenize(smollm2.apply_chat_template(
@@ -153,7 +154,7 @@ def test_a_request_decodes_the_same_alone_and_batched(no_amx):
     same tokens and logprobs alone as batched. Alone, the short prompt's prefill is a step of a few rows and the long
     one's of ~70; batched, ~80 (before, past 64 rows a GEMM of bf16 or fp32 tiles took the step, and four chat
     prompts' first logprobs moved by up to 0.16, one answer from its first token)."""
-    llm = LLM("smollm2-135m", kv_cache_memory="64MiB")
+    llm = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB")
     prompts = ["The capital of France is", "Once upon a time, in a village between two rivers, there lived " * 5]
     params = greedy(24, logprobs=0)
     together = assert_same_alone_and_batched(llm, prompts, params)
@@ -166,7 +167,7 @@ def test_batch_invariant_prompts_compute_the_same_however_they_are_chunked(no_am
     and one token a step, and a request's output the same alone or beside another that splits its prompt's chunks
     differently. Without it, SDPA's blocking made chunks of 5, 33 or 60 of a 65-token prompt differ, and such a
     prompt answer differently alone (a 64-token chunk, then one) and batched."""
-    llm = LLM("smollm2-135m", kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=64, batch_invariant=True)
+    llm = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=64, batch_invariant=True)
     assert llm.engine.runner.backend.batch_invariant
     prompt = llm.engine.tokenize("Once upon a time, in a village between two rivers, there lived " * 6, add_special_tokens=False)[:65]
     whole = chunked_logits(llm, prompt, 1024)
@@ -178,19 +179,20 @@ def test_batch_invariant_prompts_compute_the_same_however_they_are_chunked(no_am
 
 def test_batch_invariant_needs_the_stacked_int8_kernels_and_no_kv_policy(no_amx, monkeypatch):
     with pytest.raises(KVServeError, match="batch_invariant needs a GGUF model's layers stacked on the native CPU kernels"):
-        LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True, **FP32)
+        LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, **FP32)
     with pytest.raises(KVServeError, match="kv_policy h2o cannot run with batch_invariant"):
-        LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True, kv_policy="h2o:budget=0.5")
+        LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, kv_policy="h2o:budget=0.5")
     monkeypatch.setattr(linear, "cpu_has_amx", lambda: True)  # bf16 tiles past 64 rows
     with pytest.raises(KVServeError, match="batch_invariant needs"):
-        LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True)
+        LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True)
 
 
 def test_batch_invariant_with_speculative_decoding_keeps_the_tokens(no_amx):
     """A draft only guesses, so its runner needs no batch_invariant; the target's tokens stay the plain engine's."""
     params = greedy(24)
-    plain = LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True).generate(["The capital of France is"], params, use_tqdm=False)
-    spec = LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True, speculative="self:layers=10,min_acceptance=0")
+    plain = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True).generate(["The capital of France is"], params,
+                                                                                                    use_tqdm=False)
+    spec = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, speculative="self:layers=10,min_acceptance=0")
     out = spec.generate(["The capital of France is"], params, use_tqdm=False)[0]
     assert not spec.engine.proposer.runner.config.batch_invariant and out.metrics.num_draft_tokens > 0
     assert out.outputs[0].token_ids == plain[0].outputs[0].token_ids

@@ -576,7 +576,8 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
         for name, p in draft.named_parameters():
             p.normal_(1.0 if "norm" in name else 0.0, 0.1)
     draft.save(tmp_path, listed)
-    llm = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=3,min_acceptance=0", **FP32)
+    cpu = dict(FP32, device="cpu")  # the native op is the CPU's
+    llm = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=3,min_acceptance=0", **cpu)
     proposer = llm.engine.proposer
     fused, tokens, features = proposer.fused, torch.randint(0, 49152, (4,)), torch.randn(4, 576)
     assert fused is not None
@@ -593,11 +594,12 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
     assert torch.equal(proposer.guess(tokens, features, 2), wide)
     proposer.width = 1
     prompts, params = ["Once upon a time", smollm2.apply_chat_template(COPY)], greedy(16)
-    plain = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
+    target = smollm2 if smollm2.engine.runner.device.type == "cpu" else LLM("smollm2-135m", **cpu)
+    plain = [o.outputs[0].token_ids for o in target.generate(prompts, params, use_tqdm=False)]
     spec = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == plain
     assert sum(o.metrics.num_draft_tokens for o in spec) > 0
-    tree = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=2,width=3,min_acceptance=0", **FP32).generate(prompts, params, use_tqdm=False)
+    tree = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=2,width=3,min_acceptance=0", **cpu).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in tree] == plain
     assert sum(o.metrics.num_draft_tokens for o in tree) > sum(o.metrics.num_draft_tokens for o in spec)
     with pytest.raises(RuntimeError, match="past the embedding"):
@@ -712,7 +714,7 @@ def test_distill_answers_with_states_are_the_states_that_generated_them(smollm2)
     assert all(text.ids[i] == chat[-1] for i in begin)  # the prompt's last token (the template's)
     stretches = [text.ids[a:b] for a, b in zip(begin, begin[1:] + [len(text.ids)])]
     assert all(" ".join(map(str, s[1:])) in " ".join(map(str, plain)) for s in stretches)  # the same greedy answers
-    tokens = smollm2.engine.runner.model.compute_logits(text.states).argmax(-1).tolist()
+    tokens = smollm2.engine.runner.model.compute_logits(text.states.to(smollm2.engine.runner.device)).argmax(-1).tolist()
     assert [t for i, t in enumerate(tokens[:-1]) if not text.starts[i + 1]] == [t for i, t in enumerate(text.ids[1:]) if not text.starts[i + 1]]
     assert not smollm2.engine.feature_observers
     runner, steps = smollm2.engine.runner, []
@@ -777,7 +779,7 @@ def test_distill_answers_past_the_prompts_are_sampled_rounds(smollm2, monkeypatc
     assert rounds[0] == smollm2.generate([chat], greedy(12), use_tqdm=False)[0].outputs[0].token_ids[:len(rounds[0])]
     assert len({tuple(r) for r in rounds}) == 3  # the sampled rounds differ from the greedy one and from each other
     text = distill.answers(smollm2, 3, seed=0, max_tokens=12, states=True)  # each round's answer keeps its own states
-    tokens = smollm2.engine.runner.model.compute_logits(text.states).argmax(-1).tolist()
+    tokens = smollm2.engine.runner.model.compute_logits(text.states.to(smollm2.engine.runner.device)).argmax(-1).tolist()
     follows = [i for i in range(len(text.ids) - 1) if not text.starts[i + 1]]
     assert int(text.starts.sum()) == 3 and len(text.states) == len(text.ids)
     assert [tokens[i] for i in follows[:11]] == text.ids[1:12]  # the greedy round: each state gave the next token

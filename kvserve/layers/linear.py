@@ -30,7 +30,9 @@ MAX_KERNEL_ROWS = 16
 MAX_KERNEL_ROWS_INT8_AMX = 64
 ANY_ROWS = sys.maxsize  # kernel_rows where every step multiplies in place (so a row's numbers never depend on its step)
 # For a few rows against a wide weight, MKL's x @ W^T takes a slow path (4 rows x the 49152-wide head: 42 ms),
-# while W @ x^T, the same numbers, is fast (9 ms); past this many rows x @ W^T catches up.
+# while W @ x^T, the same numbers, is fast (9 ms); past this many rows x @ W^T catches up. Not on CUDA, where
+# W @ x^T cost a copy kernel per linear for its transpose (an H200's graphed SmolLM2-shape decode step: 2.08 ms
+# at 2 rows against 1.05 at one, where bf16's F.linear took 1.08 and 1.08).
 MAX_TRANSPOSED_ROWS = 256
 
 
@@ -61,7 +63,7 @@ class Linear(nn.Linear):
             return self.qweight.matmul(x, self.int8_activations) if x.shape[0] <= self.kernel_rows else self._tiled(x)
         if self.weight.dtype == torch.bfloat16:  # matmul_dtype: activations stay fp32 outside the matmul
             return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
-        if x.dim() != 2 or x.shape[0] > MAX_TRANSPOSED_ROWS:
+        if x.is_cuda or x.dim() != 2 or x.shape[0] > MAX_TRANSPOSED_ROWS:
             return F.linear(x, self.weight)
         return torch.mm(self.weight, x.t()).t().contiguous()
 
