@@ -230,7 +230,7 @@ def tiny_gemma3_dir(tmp_path_factory):
     ("tiny_sliding_dir", {}),
     ("tiny_gemma3_dir", {}),
     ("tiny_model_dir", dict(kv_policy="streaming:sinks=2,window=16")),  # compacted caches, positions apart from slots
-    ("tiny_model_dir", dict(speculative="ngram:k=3")),  # guesses: a row each, over its own context
+    ("tiny_model_dir", dict(speculative="ngram:k=3,min_speedup=0")),  # guesses: a row each, over its own context
 ], ids=["llama", "sliding-layer", "gemma3", "streaming", "ngram"])
 def test_cuda_backend_decodes_as_sdpa(model, options, request, monkeypatch):
     """The in-place decode path gives SDPA's logits at every step, with prefill chunks and decodes mixed; on CUDA
@@ -274,7 +274,7 @@ def test_cuda_graphs_replay_what_eager_steps_compute(model, request):
     torch.testing.assert_close(steps[1], steps[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("speculative", [None, "ngram:k=3"])
+@pytest.mark.parametrize("speculative", [None, "ngram:k=3,min_speedup=0"])
 def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch, speculative):
     """The graphs' fixed buffers (bucketed batch sizes, padding rows that write no K/V, block tables as wide as
     the context window; with guesses, a row a token) give what the step's own tensors give; on the CPU each

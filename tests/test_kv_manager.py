@@ -86,7 +86,8 @@ def engines(tiny_model_dir_d32, tiny_sliding_dir):
 @given(num_blocks=st.sampled_from([4, 6, 10]), budget=st.sampled_from([3, 8, 64]), mode=st.sampled_from(["recompute", "swap"]),
        prefix=st.booleans(), layout=st.sampled_from(LAYOUTS), requests=st.lists(request, min_size=1, max_size=8),
        abort_at=st.lists(st.integers(0, 30), max_size=3),
-       speculative=st.sampled_from([None, "ngram:k=3,min_n=1,min_acceptance=0,max_batch=64", "self:layers=1,k=2,min_acceptance=0,max_batch=64"]))
+       speculative=st.sampled_from([None, "ngram:k=3,min_n=1,min_acceptance=0,max_batch=64,min_speedup=0",
+                                    "self:layers=1,k=2,min_acceptance=0,max_batch=64,min_speedup=0"]))
 def test_random_workloads_never_leak_or_deadlock(engines, num_blocks, budget, mode, prefix, layout, requests, abort_at,
                                                  speculative):
     engine = engines(num_blocks, budget, mode, prefix, layout, speculative)

@@ -192,7 +192,8 @@ def test_batch_invariant_with_speculative_decoding_keeps_the_tokens(no_amx):
     params = greedy(24)
     plain = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True).generate(["The capital of France is"], params,
                                                                                                     use_tqdm=False)
-    spec = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, speculative="self:layers=10,min_acceptance=0")
+    spec = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True,
+               speculative="self:layers=10,min_acceptance=0,min_speedup=0")
     out = spec.generate(["The capital of France is"], params, use_tqdm=False)[0]
     assert not spec.engine.proposer.runner.config.batch_invariant and out.metrics.num_draft_tokens > 0
     assert out.outputs[0].token_ids == plain[0].outputs[0].token_ids

@@ -5,6 +5,7 @@ import json
 import math
 import random
 import re
+import time
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ class OracleProposer(Proposer):
     lengths are chosen."""
 
     def __init__(self, reference: dict[tuple, list[int]], k: int, rng: random.Random | None = None):
-        super().__init__(k, min_acceptance=0, window=1, max_batch=64)  # batches verify guesses too
+        super().__init__(k, min_acceptance=0, window=1, max_batch=64, min_speedup=0)  # batches verify guesses too
         self.reference, self.rng = reference, rng
         self.expected_accepted = self.proposed = 0
 
@@ -152,10 +153,54 @@ def test_a_model_drafts_gate_is_shared_by_all_sequences():
     proposer.record(second, 3, 1)
     assert proposer.lookahead(first) == 0 and proposer.lookahead(_Seq([3])) == 0  # a new sequence waits too
     for _ in range(5):  # the pause counts steps, however many sequences ask in each
-        proposer.begin_step()
+        proposer.begin_step(2)
         assert [proposer.lookahead(s) for s in (first, second)] == [0, 0]
-    proposer.begin_step()
+    proposer.begin_step(2)
     assert proposer.lookahead(first) == 1 and proposer.lookahead(second) == 2
+
+
+def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
+    """Decode-only steps, timed by batch size: guessing needs two plain steps of its size timed first; every 16
+    guessing steps are judged against the median of the last 3 plain ones (per token); a trial below 90% shuts
+    guessing for 16 steps, 32 after a second, and a paying trial resets that; one plain probe every 128 guessing
+    steps keeps the plain timing current. min_speedup=0: no gate."""
+    proposer, gate = NgramProposer(k=4), NgramProposer(k=4).cost
+    proposer.cost = gate
+    assert not proposer.begin_step(1)
+    gate.record(1, False, 0.010, 1)
+    assert not proposer.begin_step(1)
+    gate.record(1, False, 0.012, 1)  # a median of 11 ms a token
+    assert proposer.begin_step(1) and not proposer.begin_step(2)  # each batch size is timed apart
+
+    def trial(seconds: float, tokens: list[int]) -> None:
+        for i in range(16):
+            assert proposer.begin_step(1)
+            gate.record(1, True, seconds, tokens[i % len(tokens)])
+
+    def paused(steps: int) -> None:
+        for _ in range(steps):
+            assert not proposer.begin_step(1)
+            gate.record(1, False, 0.011, 1)
+        assert proposer.begin_step(1)
+
+    trial(0.020, [2])  # 10 ms a token: pays
+    trial(0.020, [1, 2])  # 13.3 ms a token: 0.83x, shut
+    paused(16)
+    trial(0.024, [2])  # 12 ms: 0.92x, still above the bar
+    trial(0.020, [1, 2])
+    paused(16)  # the good trial between reset the doubling
+    trial(0.020, [1, 2])
+    paused(32)  # a second failing trial in a row: twice as long
+    for _ in range(8):
+        trial(0.020, [2])
+    assert not proposer.begin_step(1)  # 128 guessing steps since the last plain one: a probe
+    gate.record(1, False, 0.011, 1)
+    assert proposer.begin_step(1) and proposer.begin_step(5) is False  # and never past max_batch
+    off = NgramProposer(k=4, min_speedup=0)
+    assert off.begin_step(1)
+    for _ in range(40):
+        off.cost.record(1, True, 1.0, 1)
+    assert off.begin_step(1)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -163,7 +208,8 @@ def test_a_model_drafts_gate_is_shared_by_all_sequences():
     ("ngram:k=four", "option k must be an integer, got 'four'"), ("draft:k=2", "needs model=PATH"), ("ngram:depth=3", "bad options for the ngram proposer"),
     ("ngram:k=0", "1 <= k <= 16"), ("ngram:n=2,min_n=3", "min_n <= n"), ("draft:model=d,vocab=-5", "vocab must be >= 0"),
     ("draft:model=d,vocab=all", "option vocab must be an integer, got 'all'"), ("eagle:model=d,width=9", "got width=9, vocab=0"),
-    ("eagle:model=d,lookup=-1", "0 <= lookup <= 16, got k=1, min_acceptance=15, window=32, max_batch=4, lookup=-1"),
+    ("eagle:model=d,lookup=-1", "min_speedup >= 0, got k=1, min_acceptance=15, window=32, max_batch=4, lookup=-1, min_speedup=90"),
+    ("ngram:min_speedup=-5", "min_speedup=-5"), ("ngram:lookup=2", "bad options for the ngram proposer"),
     ("eagle:model=d,vocab=-2", "got width=1, vocab=-2"),
 ])
 def test_bad_speculative_options_name_the_value(text, message):
@@ -228,7 +274,7 @@ def test_a_drafts_steps_past_the_prompt_run_in_the_native_layer_stack(tiny_model
     """The draft's layers are fused before its runner stacks them, and its catch-up on several tokens past the
     prompt (accepted guesses, then the target's token) attends as decodes: every step after the prompt is one
     native call for all layers."""
-    llm = LLM(str(tiny_model_dir), device="cpu", speculative=f"draft:model={tiny_model_dir},k=3,min_acceptance=0", **FP32)
+    llm = LLM(str(tiny_model_dir), device="cpu", speculative=f"draft:model={tiny_model_dir},k=3,min_acceptance=0,min_speedup=0", **FP32)
     backend = llm.engine.proposer.runner.backend
     assert backend.stack is not None
     steps, run_layers = [], backend.run_layers
@@ -264,7 +310,7 @@ def test_a_draft_needs_the_targets_vocabulary(tiny_model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_model_dir_d32):
     options = dict(num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, **FP32)
-    return LLM(str(tiny_model_dir_d32), **options).engine, LLM(str(tiny_model_dir_d32), speculative="ngram", **options).engine
+    return LLM(str(tiny_model_dir_d32), **options).engine, LLM(str(tiny_model_dir_d32), speculative="ngram:min_speedup=0", **options).engine
 
 
 def _run(engine, prompts, params, poison=False) -> dict[tuple, list[int]]:
@@ -340,7 +386,7 @@ class TreeOracleProposer(OracleProposer):
 @pytest.fixture(scope="module")
 def tiny_pair_sdpa(tiny_model_dir_d32):
     options = dict(num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, native_kernels=False, **FP32)
-    return LLM(str(tiny_model_dir_d32), **options).engine, LLM(str(tiny_model_dir_d32), speculative="ngram", **options).engine
+    return LLM(str(tiny_model_dir_d32), **options).engine, LLM(str(tiny_model_dir_d32), speculative="ngram:min_speedup=0", **options).engine
 
 
 @pytest.mark.parametrize("pair", ["tiny_pair", "tiny_pair_sdpa"])  # the native kernel skips other branches' keys; SDPA masks them
@@ -368,7 +414,7 @@ def test_a_kept_branch_moves_in_every_kv_format(tiny_model_dir_d32, kv):
     if kv == "kivi2":
         options["kivi_residual"] = 8
     plain = LLM(str(tiny_model_dir_d32), **options).engine
-    spec = LLM(str(tiny_model_dir_d32), speculative="ngram", **options).engine
+    spec = LLM(str(tiny_model_dir_d32), speculative="ngram:min_speedup=0", **options).engine
     prompts, params = [[(7 * i + 3 * j) % 256 for j in range(5 + 4 * i)] for i in range(3)], [greedy(n) for n in (17, 9, 14)]
     reference = _run(plain, prompts, params)
     spec.proposer = TreeOracleProposer(reference, 3, random.Random(1))
@@ -383,7 +429,7 @@ def test_a_tree_in_a_sliding_window_layer_counts_the_keys_each_guess_sees(tiny_s
     step it stands for (and the group's blocks that slid out go back as usual)."""
     options = dict(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, native_kernels=native, **FP32)
     plain = LLM(str(tiny_sliding_dir), **options).engine
-    spec = LLM(str(tiny_sliding_dir), speculative="ngram", **options).engine
+    spec = LLM(str(tiny_sliding_dir), speculative="ngram:min_speedup=0", **options).engine
     prompts, params = [[(11 * i + 5 * j) % 256 for j in range(6 + 5 * i)] for i in range(3)], [greedy(n) for n in (20, 13, 17)]
     reference = _run(plain, prompts, params)
     for seed in range(3):
@@ -397,7 +443,7 @@ def test_a_tree_in_a_sliding_window_layer_counts_the_keys_each_guess_sees(tiny_s
 def test_a_self_draft_in_a_busy_small_pool_keeps_outputs_and_frees_its_blocks(tiny_model_dir_d32):
     options = dict(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, **FP32)
     plain = LLM(str(tiny_model_dir_d32), **options).engine
-    spec = LLM(str(tiny_model_dir_d32), speculative="self:layers=1,k=3,min_acceptance=0", **options).engine
+    spec = LLM(str(tiny_model_dir_d32), speculative="self:layers=1,k=3,min_acceptance=0,min_speedup=0", **options).engine
     prompts, params = [[(5 * i + j) % 256 for j in range(4 + 3 * i)] for i in range(5)], [greedy(n) for n in (9, 14, 5, 12, 7)]
     assert _run(spec, prompts, params, poison=True) == _run(plain, prompts, params)
     assert spec.scheduler.stats.num_draft_tokens > 0 and spec.proposer.kv.pool.num_used == 0
@@ -416,7 +462,7 @@ def test_guesses_on_the_last_prompt_token_do_not_leak_into_forked_completions(ti
     prompt's other completions fork from its blocks in that step and must get the prompt only."""
     options = dict(num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=3, **FP32)
     plain = LLM(str(tiny_model_dir_d32), **options).engine
-    spec = LLM(str(tiny_model_dir_d32), speculative="ngram", **options).engine
+    spec = LLM(str(tiny_model_dir_d32), speculative="ngram:min_speedup=0", **options).engine
     prompt = [9, 8, 7, 6, 5, 4, 3]
     reference = _run(plain, [prompt], [greedy(10)])
     spec.proposer = OracleProposer(reference, 3)
@@ -464,6 +510,31 @@ def test_sampled_tokens_are_distributed_as_without_speculation(tiny_pair, monkey
 
 
 # --- metrics --------------------------------------------------------------------------------------------------------
+
+def test_guessing_that_costs_more_time_than_it_saves_is_switched_off(tiny_pair):
+    """End to end, with the default cost gate: guesses that are never kept and take 20 ms to make (a step of this
+    model takes a few) are made in the first trial only, then in ever rarer trials, and the output is unchanged;
+    guesses that are always kept go on (at min_acceptance 0, the acceptance gate is out of it)."""
+    plain, spec = tiny_pair
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    reference = _run(plain, [prompt], [greedy(120)])
+
+    class SlowWrong(OracleProposer):
+        def propose(self, seqs, limits):
+            time.sleep(0.02)
+            return [[(t + 1) % 256 for t in guesses] for guesses in super().propose(seqs, limits)]
+
+    for proposer, kept in ((SlowWrong(reference, 2), False), (OracleProposer(reference, 3), True)):
+        proposer.cost = NgramProposer().cost  # the default gate
+        spec.proposer = proposer
+        accepted = spec.scheduler.stats.num_accepted_tokens
+        assert _run(spec, [prompt], [greedy(120)]) == reference
+        steps = proposer.proposed // proposer.k  # guessing steps (one sequence, k guesses each, within max_tokens)
+        if kept:
+            assert spec.scheduler.stats.num_accepted_tokens - accepted == proposer.proposed and steps >= 25
+        else:
+            assert 16 <= steps <= 16 * 3 and proposer.cost.strikes >= 2  # 2 timed, 16 guessing, 16 paused, 16, 32, 16, ...
+
 
 def test_cli_stats_line_reports_acceptance(smollm2_ngram):
     from kvserve.entrypoints.cli import stats_line
@@ -514,7 +585,7 @@ def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
     draft = LLM(str(tmp_path / "draft"))
     assert draft.engine.checkpoint.config.num_layers == 2 and draft.engine.checkpoint.config.intermediate_size == 96
     target = LLM(str(tmp_path / "target"), **FP32)
-    spec = LLM(str(tmp_path / "target"), speculative=f"draft:model={tmp_path / 'draft'},min_acceptance=0", **FP32)
+    spec = LLM(str(tmp_path / "target"), speculative=f"draft:model={tmp_path / 'draft'},min_acceptance=0,min_speedup=0", **FP32)
     prompts = [text[:20], text[100:110]]
     plain_out, spec_out = target.generate(prompts, greedy(24), use_tqdm=False), spec.generate(prompts, greedy(24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec_out] == [o.outputs[0].token_ids for o in plain_out]
@@ -546,7 +617,7 @@ def test_distill_eagle_trains_a_feature_draft_whose_guesses_verify(tmp_path):
     config = json.loads((tmp_path / "draft" / "eagle.json").read_text())
     assert config["intermediate_size"] == 96 and config["depth"] == 2  # trained two steps ahead, by default
     assert LLM(str(tmp_path / "target"), speculative=f"eagle:model={tmp_path / 'draft'}", **FP32).engine.proposer.k == 2  # k: its depth
-    spec = LLM(str(tmp_path / "target"), speculative=f"eagle:model={tmp_path / 'draft'},k=3,min_acceptance=0", **FP32)
+    spec = LLM(str(tmp_path / "target"), speculative=f"eagle:model={tmp_path / 'draft'},k=3,min_acceptance=0,min_speedup=0", **FP32)
     seen = []
     spec.engine.observe_features(lambda seqs, features: seen.extend((s.token_ids[-1], f) for s, f in zip(seqs, features)))
     spec_out = spec.generate(prompts[10:14], greedy(28), use_tqdm=False)  # answers it trained on
@@ -577,7 +648,7 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
             p.normal_(1.0 if "norm" in name else 0.0, 0.1)
     draft.save(tmp_path, listed)
     cpu = dict(FP32, device="cpu")  # the native op is the CPU's
-    llm = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=3,min_acceptance=0", **cpu)
+    llm = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=3,min_acceptance=0,min_speedup=0", **cpu)
     proposer = llm.engine.proposer
     fused, tokens, features = proposer.fused, torch.randint(0, 49152, (4,)), torch.randn(4, 576)
     assert fused is not None
@@ -599,7 +670,8 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
     spec = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == plain
     assert sum(o.metrics.num_draft_tokens for o in spec) > 0
-    tree = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=2,width=3,min_acceptance=0", **cpu).generate(prompts, params, use_tqdm=False)
+    tree = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=2,width=3,min_acceptance=0,min_speedup=0", **cpu)
+    tree = tree.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in tree] == plain
     assert sum(o.metrics.num_draft_tokens for o in tree) > sum(o.metrics.num_draft_tokens for o in spec)
     with pytest.raises(RuntimeError, match="past the embedding"):
@@ -619,7 +691,7 @@ def test_model_proposers_guess_by_lookup_where_the_text_repeats(tmp_path, smollm
     for proposer in (f"eagle:model={tmp_path},k=1,width=2", "self:layers=1,k=1"):
         kept = {}
         for lookup in (0, 4):
-            llm = LLM("smollm2-135m", speculative=f"{proposer},lookup={lookup},min_acceptance=0", **FP32)
+            llm = LLM("smollm2-135m", speculative=f"{proposer},lookup={lookup},min_acceptance=0,min_speedup=0", **FP32)
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == plain
             kept[lookup] = outs[0].metrics.num_accepted_tokens

@@ -197,16 +197,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one forward pass; returns an output for each request that got a token."""
+        began = time.perf_counter()
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
         if not batch.has_work():
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests pending"
             return []
-        started = time.perf_counter()
+        started, guessed = time.perf_counter(), any(seq.draft_token_ids for seq in batch.seqs)
         step = self.runner.execute(batch, keep_features=bool(self.feature_observers))
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
+        if self.proposer is not None and decode == sum(batch.num_tokens):  # guessing pays or not: timed on decode-only steps
+            self.proposer.cost.record(len(batch.seqs), guessed, time.perf_counter() - began, sum(map(len, step.tokens)))
         self.output.record_computed(batch, self._verified(step))
         if any(seq.policy is not None for seq in batch.seqs):
             self._evict(batch.seqs, step.votes)
@@ -278,9 +281,8 @@ class LLMEngine:
         """Guesses for each decoding sequence, never past max_tokens or the request's token limit (the token
         after the last guess comes too)."""
         seqs, limits = [], []
-        self.proposer.begin_step()
-        if sum(seq.num_uncomputed_tokens == 1 for seq in self.scheduler.running) > self.proposer.max_batch:
-            return  # a batch this large is compute-bound: guesses would cost what they save
+        if not self.proposer.begin_step(sum(seq.num_uncomputed_tokens == 1 for seq in self.scheduler.running)):
+            return
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens == 1 and seq.params.max_tokens:
                 room = min(seq.params.max_tokens - len(seq.output_token_ids), seq.token_limit - seq.num_tokens) - 1

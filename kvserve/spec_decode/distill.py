@@ -352,7 +352,7 @@ def evaluate(student, teacher: LLM, windows: list[list[int]]) -> dict:
 
 def acceptance(model: str, speculative: str, windows: list[list[int]]) -> dict:
     """Greedy speculative decoding with the saved draft on held-out prompts: the share of guesses kept."""
-    llm = LLM(model, speculative=f"{speculative},k=4,min_acceptance=0")
+    llm = LLM(model, speculative=f"{speculative},k=4,min_acceptance=0,min_speedup=0")
     outs = llm.generate([w[: len(w) // 2] for w in windows], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
                         use_tqdm=False)
     proposed = sum(o.metrics.num_draft_tokens for o in outs)

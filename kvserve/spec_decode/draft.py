@@ -23,7 +23,7 @@ from kvserve.kv.spec import build_layout
 from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import Checkpoint, open_checkpoint
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.proposer import MAX_BATCH, Proposer, check_ints
+from kvserve.spec_decode.proposer import Proposer, check_ints
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 DRAFT_VOCAB = "draft_vocab.json"  # {"token_ids": [...]}: the tokens a draft proposes, written by `kvserve distill`
@@ -49,8 +49,8 @@ class ModelProposer(Proposer):
 
     shared_gate = True
 
-    def __init__(self, k: int, min_acceptance: int, window: int, max_batch: int, lookup: int):
-        super().__init__(k, min_acceptance, window, max_batch, lookup)
+    def __init__(self, k: int, min_acceptance: int, window: int, lookup: int, **gate):
+        super().__init__(k, min_acceptance, window, lookup, **gate)
         self.runner: ModelRunner | None = None
         self.kv: KVManager | None = None
 
@@ -121,9 +121,8 @@ class ModelProposer(Proposer):
 
 
 class DraftProposer(ModelProposer):
-    def __init__(self, model: str = "", k: int = 4, vocab: int = 0, lookup: int = 0, min_acceptance: int = 50, window: int = 16,
-                 max_batch: int = MAX_BATCH):
-        super().__init__(k, min_acceptance, window, max_batch, lookup)
+    def __init__(self, model: str = "", k: int = 4, vocab: int = 0, lookup: int = 0, min_acceptance: int = 50, window: int = 16, **gate):
+        super().__init__(k, min_acceptance, window, lookup, **gate)
         if not model or not isinstance(model, str):
             raise KVServeError("the draft proposer needs model=PATH (a Hugging Face directory or .gguf file)")
         check_ints(vocab=vocab)
@@ -141,9 +140,8 @@ class DraftProposer(ModelProposer):
 
 
 class SelfProposer(ModelProposer):
-    def __init__(self, layers: int = 0, k: int = 3, lookup: int = 0, min_acceptance: int = 50, window: int = 16,
-                 max_batch: int = MAX_BATCH):
-        super().__init__(k, min_acceptance, window, max_batch, lookup)
+    def __init__(self, layers: int = 0, k: int = 3, lookup: int = 0, min_acceptance: int = 50, window: int = 16, **gate):
+        super().__init__(k, min_acceptance, window, lookup, **gate)
         check_ints(layers=layers)
         self.layers = layers
 

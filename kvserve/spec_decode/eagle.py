@@ -28,7 +28,7 @@ from kvserve.layers.quantized import gather_on_huge_pages
 from kvserve.models.base import CausalLM, use_q8_weights
 from kvserve.spec_decode import chain
 from kvserve.spec_decode.draft import read_draft_vocab, write_draft_vocab
-from kvserve.spec_decode.proposer import MAX_BATCH, Proposer, check_ints
+from kvserve.spec_decode.proposer import Proposer, check_ints
 
 CONFIG, WEIGHTS = "eagle.json", "eagle.safetensors"
 
@@ -99,7 +99,7 @@ class EagleProposer(Proposer):
     shared_gate = True
 
     def __init__(self, model: str = "", k: int = 0, width: int = 1, lookup: int = 4, vocab: int = 0, min_acceptance: int = 15,
-                 window: int = 32, max_batch: int = MAX_BATCH):
+                 window: int = 32, **gate):
         """k = 0: as many guesses in a row as the draft was trained to make on its own predictions (its depth).
         width > 1: a tree, where the first guess has width - 1 other candidates beside it (the draft's next likeliest
         tokens), each verified in the same pass. lookup: see Proposer (rewriting a paragraph, 1.70-1.81x where the
@@ -108,7 +108,7 @@ class EagleProposer(Proposer):
         smaller slice of the head to read (8,192 -> 2,048 rows: its step 0.25-0.31 -> 0.17-0.19 ms, 37.8% -> 36.8% of
         guesses kept on the benchmark's open prompts). The gate's min_acceptance is 15%: at two guesses a step, the
         second nearly free beside the draft's step, 15% of guessed tokens kept about pays for them (see the README)."""
-        super().__init__(k or 1, min_acceptance, window, max_batch, lookup)
+        super().__init__(k or 1, min_acceptance, window, lookup, **gate)
         check_ints(width=width, vocab=vocab)
         if not model or not isinstance(model, str):
             raise KVServeError("the eagle proposer needs model=DIR (made by kvserve distill --eagle)")

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from kvserve.errors import KVServeError
 from kvserve.spec_decode.lookup import NgramIndex
-from kvserve.spec_decode.proposer import MAX_BATCH, Proposer, check_ints
+from kvserve.spec_decode.proposer import Proposer, check_ints
 
 
 class NgramProposer(Proposer):
-    def __init__(self, k: int = 5, n: int = 3, min_n: int = 2, min_acceptance: int = 20, window: int = 32, max_batch: int = MAX_BATCH):
+    def __init__(self, k: int = 5, n: int = 3, min_n: int = 2, min_acceptance: int = 20, window: int = 32, **gate):
         """Up to k tokens per proposal from the longest matching n-gram (n down to min_n). k = 5 keeps a guessing
         sequence's step at 6 rows, within the rows quantized weights multiply in place (layers/linear.py: kernel_rows)."""
-        super().__init__(k, min_acceptance, window, max_batch)
+        super().__init__(k, min_acceptance, window, 0, **gate)  # no lookup option: it is one
         check_ints(n=n, min_n=min_n)
         if not 1 <= min_n <= n <= 8:
             raise KVServeError(f"ngram needs 1 <= min_n <= n <= 8, got n={n}, min_n={min_n}")

@@ -1,7 +1,9 @@
 """What every proposer shares: how many tokens to guess, and switching speculation off where guesses keep
-failing (a rejected guess costs a verification row, and a model draft its own forward passes)."""
+failing (a rejected guess costs a verification row, and a model draft its own forward passes) or where guessing
+steps, timed, yield fewer tokens a second than plain ones."""
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from typing import Any
 
@@ -28,6 +30,55 @@ class SpecState:
         self.copied = False  # the last guesses came from that lookup, not the model
 
 
+class CostGate:
+    """Whether guessing pays, timed: each batch size's decode-only steps with guesses against its recent steps
+    without. The acceptance gate counts kept guesses, not what they cost, which hardware and dtype decide (an
+    H200's fp32 steps once cost 1.8x a step to verify two guesses, where a CPU's cost ~1.2x: eagle kept as many
+    guesses there and ran at 0.88x)."""
+
+    def __init__(self, min_speedup: int, trial: int = 16, probe_every: int = 128):
+        """Every `trial` guessing steps of a batch size, their tokens a second against the median of its last 3
+        plain steps; below min_speedup percent, no guesses for `trial` steps, twice as long after each further
+        failing trial (up to 64x). A batch size's first two steps, and one after every `probe_every` guessing
+        steps (contexts grow, steps slow down), run plain to time it. 0: off. The proposers' 90 keeps speculation
+        from running long below 0.9x, and lets a CPU's marginal gains be (at 95, noisy trials shut eagle on open
+        prompts: 1.02x where it ran at 1.05x ungated; at 90 with a probe every 128 steps, 1.19x and 1.19x)."""
+        self.min_speedup, self.trial, self.probe_every = min_speedup, trial, probe_every
+        self.plain: dict[int, deque[float]] = {}  # batch size -> its recent plain steps' seconds a token
+        self.since_plain: dict[int, int] = {}  # batch size -> guessing steps since its last plain one
+        self.spent: dict[int, list[float]] = {}  # batch size -> this trial's [seconds, tokens, steps]
+        self.paused = self.strikes = 0
+
+    def begin_step(self, size: int) -> bool:
+        """A step with `size` sequences decoding starts: whether they may guess (a pause counts every step)."""
+        if self.paused:
+            self.paused -= 1
+            return False
+        return not self.min_speedup or (len(self.plain.get(size, ())) >= 2 and self.since_plain[size] < self.probe_every)
+
+    def record(self, size: int, guessed: bool, seconds: float, tokens: int) -> None:
+        """A decode-only step of `size` sequences: whether any guessed, its seconds and the tokens it gave."""
+        if not self.min_speedup or not tokens:
+            return
+        if not guessed:
+            self.plain.setdefault(size, deque(maxlen=3)).append(seconds / tokens)
+            self.since_plain[size] = 0
+            return
+        if size not in self.plain:  # the guesses were made for a batch of another size
+            return
+        self.since_plain[size] += 1
+        spent = self.spent.setdefault(size, [0.0, 0, 0])
+        spent[0], spent[1], spent[2] = spent[0] + seconds, spent[1] + tokens, spent[2] + 1
+        if spent[2] < self.trial:
+            return
+        del self.spent[size]
+        if 100 * statistics.median(self.plain[size]) * spent[1] < self.min_speedup * spent[0]:
+            self.paused = self.trial << min(self.strikes, 6)
+            self.strikes += 1
+        else:
+            self.strikes = 0
+
+
 def check_ints(**options) -> None:
     for name, value in options.items():
         if not isinstance(value, int):
@@ -37,21 +88,22 @@ def check_ints(**options) -> None:
 class Proposer:
     shared_gate = False  # one gate for all sequences: a model draft's quality is the draft's, not the text's
 
-    def __init__(self, k: int, min_acceptance: int, window: int, max_batch: int, lookup: int = 0):
+    def __init__(self, k: int, min_acceptance: int, window: int, lookup: int = 0, *, max_batch: int = MAX_BATCH, min_speedup: int = 90):
         """Guesses of up to k tokens. Where the last `window` proposed tokens were accepted less than min_acceptance
         percent of the time, no guesses for `window` steps, twice as many after each further failing window (up to
         64x). No guesses in a step where more than max_batch sequences decode: a batch's step is compute-bound on a
         CPU, so every guess row costs about what a token does. lookup > 0 (the model proposers): where a sequence's
         last 3 tokens occurred earlier in its prompt or output, up to `lookup` tokens that followed them there
         instead of the model's (prompt lookup, as `ngram` guesses): text that copies its context gets several tokens
-        a step, and no draft step."""
-        check_ints(k=k, min_acceptance=min_acceptance, window=window, max_batch=max_batch, lookup=lookup)
-        if not 1 <= k <= 16 or not 0 <= min_acceptance <= 100 or window < 1 or max_batch < 1 or not 0 <= lookup <= 16:
-            raise KVServeError(f"speculative decoding needs 1 <= k <= 16, 0 <= min_acceptance <= 100, window >= 1, max_batch >= 1 "
-                               f"and 0 <= lookup <= 16, got k={k}, min_acceptance={min_acceptance}, window={window}, "
-                               f"max_batch={max_batch}, lookup={lookup}")
+        a step, and no draft step. min_speedup: see CostGate (percent; 0: off)."""
+        check_ints(k=k, min_acceptance=min_acceptance, window=window, max_batch=max_batch, lookup=lookup, min_speedup=min_speedup)
+        if not 1 <= k <= 16 or not 0 <= min_acceptance <= 100 or window < 1 or max_batch < 1 or not 0 <= lookup <= 16 or min_speedup < 0:
+            raise KVServeError(f"speculative decoding needs 1 <= k <= 16, 0 <= min_acceptance <= 100, window >= 1, max_batch >= 1, "
+                               f"0 <= lookup <= 16 and min_speedup >= 0, got k={k}, min_acceptance={min_acceptance}, "
+                               f"window={window}, max_batch={max_batch}, lookup={lookup}, min_speedup={min_speedup}")
         self.k, self.min_acceptance, self.window, self.max_batch, self.lookup = k, min_acceptance, window, max_batch, lookup
         self.shared = SpecState(k)
+        self.cost = CostGate(min_speedup)
 
     def start(self, engine) -> None:
         """Load what the proposer needs from the engine it serves (a draft model, the target's layers)."""
@@ -86,10 +138,12 @@ class Proposer:
         sequence's newest token), parents first. A chain: each guess follows the one before."""
         return chain(count)
 
-    def begin_step(self) -> None:
-        """A step starts: a shared gate's pause counts steps (a sequence's own counts its steps in lookahead)."""
+    def begin_step(self, decoding: int) -> bool:
+        """A step with `decoding` sequences decoding starts: whether they may guess (not past max_batch, nor while
+        the cost gate is shut). A shared gate's pause counts steps (a sequence's own counts its steps in lookahead)."""
         if self.shared_gate and self.shared.paused > 0:
             self.shared.paused -= 1
+        return self.cost.begin_step(decoding) and decoding <= self.max_batch
 
     def lookahead(self, seq) -> int:
         """How many tokens to guess for this sequence, or 0 while its gate is shut."""
