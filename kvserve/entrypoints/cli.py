@@ -55,7 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", default=None, metavar="PROPOSER",
                         help="speculative decoding, NAME[:key=value,...]: ngram[:k=5,n=3] (prompt lookup), "
                              "draft:model=PATH[,k=4] (a small model), self:layers=N[,k=3] (the model's first N layers), "
-                             "eagle:model=DIR[,k=2,width=1,lookup=4] (a feature draft from kvserve distill --eagle)")
+                             "eagle:model=DIR[,k=2,width=1,lookup=4] (a feature draft from kvserve distill --eagle); "
+                             "each also takes min_acceptance (percent of guesses kept) and min_speedup (percent of plain "
+                             "decoding's tokens a second, default 90), under which it stops guessing for a while")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's output never depends on what shares its steps or how its prompt is chunked "
                              "(GGUF models on the native CPU kernels; long prompts prefill slower)")
