@@ -121,6 +121,21 @@ def memory_share(value: str | int) -> float | None:
     return None
 
 
+def parse_named(text: str, what: str) -> tuple[str, dict[str, str]]:
+    """'NAME:key=value,...' -> (NAME, {key: value}); `what` names the option in errors (an item not name=value, a
+    key given twice)."""
+    name, _, args = text.strip().partition(":")
+    values: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in args.split(","))):
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or not key or not value:
+            raise KVServeError(f"{what} option {item!r} is not name=value")
+        if key in values:
+            raise KVServeError(f"{what} option {key} is given twice ({values[key]} and {value})")
+        values[key] = value
+    return name.strip(), values
+
+
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 

@@ -251,7 +251,7 @@ def test_what_a_request_keeps_does_not_depend_on_what_shares_its_steps(tiny_mode
     ("streaming:sinks=8,window=4", "sinks .8. must not be larger than the window"),
     ("streaming:sinks=1,window=2", "smaller than a block"), ("lru:budget=3", "unknown kv_policy"),
     ("h2o:size=3", "h2o takes budget=, recent="), ("h2o:budget=lots", "budget must be a number"),
-    ("snapkv:budget=8,window=16", "must hold the window"),
+    ("snapkv:budget=8,window=16", "must hold the window"), ("h2o:budget=0.2,budget=0.3", "option budget is given twice"),
 ])
 def test_bad_parameters_get_one_clear_error(tiny_model_dir, policy, message):
     with pytest.raises(KVServeError, match=message):

@@ -206,12 +206,13 @@ def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
 
 @pytest.mark.parametrize("text, message", [
     ("medusa", "unknown speculative proposer 'medusa'"), ("ngram:k", "'k' is not name=value"),
-    ("ngram:k=four", "option k must be an integer, got 'four'"), ("draft:k=2", "needs model=PATH"), ("ngram:depth=3", "bad options for the ngram proposer"),
+    ("ngram:k=four", "option k must be an integer, got 'four'"), ("draft:k=2", "needs model=PATH"), ("ngram:depth=3", "ngram proposer has no option depth; it takes k, n, min_n, "),
     ("ngram:k=0", "1 <= k <= 16"), ("ngram:n=2,min_n=3", "min_n <= n"), ("draft:model=d,vocab=-5", "vocab must be >= 0"),
     ("draft:model=d,vocab=all", "option vocab must be an integer, got 'all'"), ("eagle:model=d,width=9", "got width=9, vocab=0"),
     ("eagle:model=d,lookup=-1", "min_speedup >= 0, got k=1, min_acceptance=15, window=32, max_batch=4, lookup=-1, min_speedup=90"),
-    ("ngram:min_speedup=-5", "min_speedup=-5"), ("ngram:lookup=2", "bad options for the ngram proposer"),
-    ("eagle:model=d,vocab=-2", "got width=1, vocab=-2"),
+    ("ngram:min_speedup=-5", "min_speedup=-5"), ("ngram:lookup=2", "no option lookup"),
+    ("eagle:model=d,vocab=-2", "got width=1, vocab=-2"), ("ngram:k=2,k=3", "option k is given twice \\(2 and 3\\)"),
+    ("eagle:model=d,depth=2", "eagle proposer has no option depth; it takes model, k, width, lookup, vocab, min_acceptance, window, max_batch, min_speedup"),
 ])
 def test_bad_speculative_options_name_the_value(text, message):
     with pytest.raises(KVServeError, match=message):

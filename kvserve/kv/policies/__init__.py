@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from kvserve.config import parse_named
 from kvserve.errors import KVServeError
 
 UNBOUNDED = 1 << 62  # a request's token limit where a policy places tokens at cache slots (streaming)
@@ -99,16 +100,15 @@ def parse_policy(text: str | None) -> KVPolicy | None:
     """`NAME:key=value,...` -> a policy; None or "none" -> None."""
     if text is None or text.strip().lower() in ("", "none"):
         return None
-    name, _, args = text.strip().partition(":")
+    name, given = parse_named(text, "kv_policy")
     if name not in POLICIES:
         raise KVServeError(f"unknown kv_policy {name!r}; choose from none, {', '.join(POLICIES)}")
     cls = POLICIES[name]
     known = {f.name: f for f in fields(cls)}
     values = {}
-    for item in filter(None, (a.strip() for a in args.split(","))):
-        key, sep, value = (s.strip() for s in item.partition("="))
-        if not sep or key not in known:
-            raise KVServeError(f"kv_policy {name} takes {', '.join(f'{k}=' for k in known)}; got {item!r}")
+    for key, value in given.items():
+        if key not in known:
+            raise KVServeError(f"kv_policy {name} takes {', '.join(f'{k}=' for k in known)}; got {key}={value}")
         try:
             values[key] = float(value) if known[key].type in (float, "float") else int(value)
         except ValueError:
