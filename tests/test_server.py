@@ -229,7 +229,11 @@ def test_bad_completion_requests(server, body, status, message):
                                           ({"model": "test-model", "messages": [{"role": "user", "content": "x"}],
                                             "response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
                                           ({"model": "test-model", "messages": [{"role": "user", "content": "x"}],
-                                            "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools and functions are not supported")])
+                                            "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools and functions are not supported"),
+                                          ({"model": "test-model", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+                                           "max_tokens must be >= 1"),  # not "unset": it ran to the context window
+                                          ({"model": "test-model", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0,
+                                            "max_tokens": 5}, "max_tokens must be >= 1")])
 def test_bad_chat_requests(server, body, message):
     r = httpx.post(f"{server}/v1/chat/completions", json=body)
     assert r.status_code == 400 and message in r.json()["error"]["message"]

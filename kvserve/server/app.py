@@ -163,7 +163,8 @@ class Server:
         self.check_model(req.model)
         ids = self.chat_prompt(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        request_id, streams = await self.submit(req, [ids], req.max_completion_tokens or req.max_tokens, logprobs, "chatcmpl")
+        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens  # 0 is an error, not "unset"
+        request_id, streams = await self.submit(req, [ids], max_tokens, logprobs, "chatcmpl")
         if req.stream:
             return self._stream(self._chat_chunks(req, request_id, streams, len(ids)))
         finals = await self._collect(streams)
