@@ -299,7 +299,9 @@ def test_echo_returns_the_prompts_logprobs(server, smollm2):
 def test_max_tokens_zero_needs_echo(server):
     body = {"model": "test-model", "prompt": "hi", "max_tokens": 0}
     r = httpx.post(f"{server}/v1/completions", json=body)
-    assert r.status_code == 400 and "max_tokens must be >= 1 (or 0 to only score the prompt" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "max_tokens must be >= 1 (or 0 with echo: true, to return the prompt alone)" in r.json()["error"]["message"]
+    body.update(echo=True)
+    assert httpx.post(f"{server}/v1/completions", json=body).json()["choices"][0]["text"] == "hi"
 
 
 def test_streamed_choices_equal_unstreamed_with_stop_strings(server):

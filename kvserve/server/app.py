@@ -124,6 +124,9 @@ class Server:
         """Start one engine request per prompt, each with n completions (they share its prefill), all or none (the
         engine validates every prompt before any starts); choice index = prompt * n + completion."""
         req.check_supported()
+        if max_tokens is not None and max_tokens < 1 and prompt_logprobs is None:  # SamplingParams' message names its own field
+            hint = " (or 0 with echo: true, to return the prompt alone)" if isinstance(req, CompletionRequest) else ""
+            raise APIError(400, f"max_tokens must be >= 1{hint}, got {max_tokens}")
         if len(prompts) * req.n > self.async_engine.max_waiting:  # could never fit, however idle the server: not a 503
             raise APIError(400, f"one request may carry at most {self.async_engine.max_waiting} prompts x n; this one has "
                                 f"{len(prompts)} prompt(s) x n={req.n} = {len(prompts) * req.n}")
