@@ -705,6 +705,21 @@ def test_model_proposers_guess_by_lookup_where_the_text_repeats(tmp_path, smollm
     assert proposer.guesses([seq], [4]) == [[8, 5, 6, 7]] and proposer.parents(seq, 4) == [-1, 0, 1, 2]
 
 
+def test_a_feature_draft_runs_in_the_models_dtype(tmp_path, tiny_model_dir):
+    """A bfloat16 model's states and embeddings are bfloat16: the draft (saved in float32) runs in that dtype, and
+    greedy output stays the model's."""
+    from kvserve.spec_decode.eagle import FeatureDraft
+
+    torch.manual_seed(0)
+    FeatureDraft(64, 64, 1e-5).save(tmp_path, None)
+    prompts, params = [[5, 9, 14, 3, 5, 9], [7, 7, 2]], greedy(12)
+    plain = LLM(str(tiny_model_dir), dtype="bfloat16").generate(prompts, params, use_tqdm=False)
+    spec = LLM(str(tiny_model_dir), dtype="bfloat16", speculative=f"eagle:model={tmp_path},k=2,lookup=0,min_acceptance=0,min_speedup=0")
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert spec.engine.proposer.draft.fc.weight.dtype == torch.bfloat16 and sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
 def test_an_eagle_draft_must_match_the_model(tmp_path, tiny_model_dir):
     from kvserve.spec_decode.eagle import FeatureDraft
 

@@ -133,7 +133,7 @@ class EagleProposer(Proposer):
         if engine.runner.native:
             draft.use_native_kernels(int8_activations=engine.config.matmul_dtype != "float32")
             gather_on_huge_pages([m.qweight for m in linears if m.qweight is not None])
-        self.draft = draft.to(engine.runner.device)
+        self.draft = draft.to(engine.runner.device, engine.config.torch_dtype)  # the states and embeddings it reads are the model's
         self.embed = target.embed
         self.fused, self.fused_rows = draft.fuse(self.head, target), min(m.kernel_rows for m in linears)
         engine.observe_features(self.observe)
