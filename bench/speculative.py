@@ -13,7 +13,7 @@ that varies between runs on a noisy machine). Greedy outputs should be the same 
 table says where they are not (a verification pass of more rows than layers/linear.py's block limit multiplies
 differently from one-token steps, which can flip a near-tie).
 
-    python bench/speculative.py [--model smollm2-135m] [--speculative ngram:k=4 ...] [--rounds 3]
+    python bench/speculative.py [--model smollm2-135m] [--speculative ngram:k=4 ...] [--rounds 3] [--dtype float32]
 """
 from __future__ import annotations
 
@@ -64,9 +64,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", default="copy,open,batch")
+    parser.add_argument("--dtype", default="float32", help="every engine's (e.g. bfloat16 on a GPU, where a verification's rows cost "
+                                                        "what one row does)")
     args = parser.parse_args()
 
-    engines = {"baseline": LLM(args.model)} | {spec: LLM(args.model, speculative=spec) for spec in args.speculative}
+    make = lambda spec: LLM(args.model, speculative=spec, dtype=args.dtype)  # noqa: E731
+    engines = {"baseline": make(None)} | {spec: make(spec) for spec in args.speculative}
     loads = {name: prompts for name, prompts in workloads(engines["baseline"]).items() if name in args.workloads.split(",")}
     # units of measurement: each batch-1 prompt alone, the batch whole; every engine runs each unit in turn
     units = [(load, load == "batch", prompts if load == "batch" else [p]) for load, prompts in loads.items()
@@ -80,7 +83,7 @@ def main() -> None:
             for name in names[r % len(names):] + names[:r % len(names)]:  # a different engine goes first each round
                 results.setdefault((u, name), []).append(run(engines[name], batch, prompts, args.max_tokens))
 
-    print(f"{args.model}, greedy, up to {args.max_tokens} new tokens; each prompt's median of {args.rounds} rounds, "
+    print(f"{args.model} ({args.dtype}), greedy, up to {args.max_tokens} new tokens; each prompt's median of {args.rounds} rounds, "
           f"averaged over a workload's prompts")
     for load in loads:
         mine = [u for u, unit in enumerate(units) if unit[0] == load]
