@@ -172,6 +172,17 @@ def test_bad_settings_are_one_clear_error(four_layers, policy, options, message)
         engine(four_layers, policy, **options)
 
 
+def test_a_two_layer_model_names_the_default_start(tiny_model_dir, tmp_path):
+    """The middle layer of two is the last: no pair follows it, and the error says the start was the default. One
+    layer has no pair at all."""
+    with pytest.raises(KVServeError, match=r"start must be a layer in \[0, 0\] .*got the default, the middle layer \(1\)"):
+        engine(tiny_model_dir, "minicache")
+    assert engine(tiny_model_dir, "minicache:start=0").engine.layout.merge.start == 0
+    save_tiny_llama(tmp_path, num_hidden_layers=1)
+    with pytest.raises(KVServeError, match="merges pairs of layers; this model has 1"):
+        engine(tmp_path, "minicache:start=0")
+
+
 def test_sliding_layers_cannot_merge(tiny_sliding_dir):
     with pytest.raises(KVServeError, match="minicache merges full-attention layers; .* has sliding ones"):
         engine(tiny_sliding_dir, "minicache:start=0")

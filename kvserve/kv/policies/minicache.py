@@ -48,9 +48,12 @@ class MiniCache(KVPolicy):
     def at(self, num_layers: int) -> MiniCache:
         """This policy with its start layer resolved and checked for a model of `num_layers` layers."""
         start = num_layers // 2 if self.start == -1 else self.start
+        if num_layers < 2:
+            raise KVServeError(f"kv_policy minicache merges pairs of layers; this model has {num_layers}")
         if not 0 <= start <= num_layers - 2:
+            given = self.start if self.start != -1 else f"the default, the middle layer ({start})"
             raise KVServeError(f"kv_policy minicache: start must be a layer in [0, {num_layers - 2}] (a pair must follow it), "
-                               f"got {self.start}")
+                               f"got {given}")
         return MiniCache(start, self.t, self.threshold, self.retain)
 
     def pairs(self, num_layers: int) -> list[tuple[int, int]]:
