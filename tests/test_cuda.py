@@ -87,12 +87,15 @@ def test_cuda_quantized_kv_tracks_the_cpu(tiny_model_dir_d32, dtype):
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _attention_over_gathered_blocks(q, keys, values, tables, lens, scale, window):
+def _attention_over_gathered_blocks(q, keys, values, tables, lens, scale, window, hidden=None):
+    """hidden [B]: bit j set, query b skips the key j + 1 slots before its own; its window counts the keys it sees."""
     out = []
     for b in range(q.shape[0]):
         n = int(lens[b])
-        first = max(0, n - window) if window else 0
-        k, v = (c[tables[b]].flatten(0, 1)[first:n].float() for c in (keys, values))
+        skipped = [n - 2 - j for j in range(64) if hidden is not None and int(hidden[b]) >> j & 1]
+        first = max(0, n - window - len(skipped)) if window else 0
+        seen = [t for t in range(first, n) if t not in skipped]
+        k, v = (c[tables[b]].flatten(0, 1)[seen].float() for c in (keys, values))
         rep = q.shape[1] // k.shape[1]
         scores = torch.einsum("hd,thd->ht", q[b].float(), k.repeat_interleave(rep, 1)) * scale
         out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v.repeat_interleave(rep, 1)))
@@ -123,6 +126,26 @@ def test_paged_decode_equals_attention_over_gathered_blocks(heads, kv_heads, dim
     lens[3] = 0  # a CUDA graph's padding row: no keys, zeros, and the other rows unchanged
     padded = paged_decode(q, keys, values, tables, lens, 0.3, window, span)
     assert not padded[3].any() and torch.equal(padded[[0, 1, 2, 4]], out[[0, 1, 2, 4]])
+
+
+@pytest.mark.parametrize("window", [None, 5, 150])
+@pytest.mark.parametrize("span", [0, 128], ids=["whole", "split"])
+def test_paged_decode_skips_the_keys_of_a_trees_other_branches(window, span):
+    """A tree's guess attends to its ancestors only: the kernel skips the keys its mask names (bit j: the key j + 1
+    slots before its own), and a window reaches back past as many keys as it skips."""
+    from kvserve.attention.cuda import paged_decode
+
+    torch.manual_seed(0)
+    keys, values = (torch.randn(40, 32, 3, 64, device=DEVICE) for _ in range(2))
+    tables = torch.stack([torch.randperm(40, device=DEVICE)[:12] for _ in range(4)])
+    lens = torch.tensor([9, 200, 300, 33], device=DEVICE)
+    hidden = torch.tensor([0b101, 0b110, 1 << 62 | 1, 0], device=DEVICE)  # the last skips nothing: a chain's row
+    q = torch.randn(4, 9, 64, device=DEVICE)
+    out = paged_decode(q, keys, values, tables, lens, 0.3, window, span, hidden=hidden)
+    expected = _attention_over_gathered_blocks(q, keys, values, tables, lens, 0.3, window, hidden)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    plain = paged_decode(q, keys, values, tables, lens, 0.3, window, span)
+    assert torch.equal(out[3], plain[3]) and not torch.allclose(out[:3], plain[:3], atol=1e-3)
 
 
 def test_decode_splits_long_contexts_where_the_gpu_has_idle_multiprocessors():
@@ -215,6 +238,21 @@ def _assert_same_steps(reference: LLM, llm: LLM, prompts: list[list[int]], max_t
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
+# a random feature draft's tree: two guesses deep, the first with two runners-up beside it
+TREE = "eagle:model={},k=2,width=3,lookup=0,min_acceptance=0,min_speedup=0"
+
+
+@pytest.fixture(scope="module")
+def tiny_feature_draft(tmp_path_factory):
+    """A random feature draft for the tiny models' 64-wide states."""
+    from kvserve.spec_decode.eagle import FeatureDraft
+
+    path = tmp_path_factory.mktemp("tiny-feature-draft")
+    torch.manual_seed(0)
+    FeatureDraft(64, 64, 1e-5).save(path, None)
+    return path
+
+
 @pytest.fixture(scope="module")
 def tiny_gemma3_dir(tmp_path_factory):
     """Gemma 3: sliding layers (12 tokens) between global ones, head dim 16, its own query scale."""
@@ -231,24 +269,29 @@ def tiny_gemma3_dir(tmp_path_factory):
     ("tiny_gemma3_dir", {}),
     ("tiny_model_dir", dict(kv_policy="streaming:sinks=2,window=16")),  # compacted caches, positions apart from slots
     ("tiny_model_dir", dict(speculative="ngram:k=3,min_speedup=0")),  # guesses: a row each, over its own context
-], ids=["llama", "sliding-layer", "gemma3", "streaming", "ngram"])
+    ("tiny_sliding_dir", dict(speculative=TREE)),  # a tree's rows skip their other branches' keys, a window past them
+], ids=["llama", "sliding-layer", "gemma3", "streaming", "ngram", "tree"])
 def test_cuda_backend_decodes_as_sdpa(model, options, request, monkeypatch):
     """The in-place decode path gives SDPA's logits at every step, with prefill chunks and decodes mixed; on CUDA
     op by op here (graphs: the tests below)."""
     from kvserve.attention import cuda
 
     path = str(request.getfixturevalue(model))
+    if options.get("speculative") == TREE:
+        options = dict(options, speculative=TREE.format(request.getfixturevalue("tiny_feature_draft")))
     options = dict(device=DEVICE, num_blocks=160, block_size=4, enable_prefix_caching=False, max_num_batched_tokens=40,
                    native_kernels=False, enforce_eager=True, **FP32, **options)
     llms = [LLM(path, **options) for _ in range(2)]
     llms[0].engine.runner.backend = llms[0].engine.runner.sdpa
     llms[1].engine.runner.backend = cuda.CUDABackend(llms[1].engine.runner.kv_cache)
-    real, calls = cuda.paged_decode, []
-    monkeypatch.setattr(cuda, "paged_decode", lambda *a: calls.append(len(a[0])) or real(*a))
+    real, calls, masked = cuda.paged_decode, [], []
+    monkeypatch.setattr(cuda, "paged_decode", lambda *a, **k: calls.append(len(a[0])) or masked.append(k.get("hidden") is not None)
+                        or real(*a, **k))
     _assert_same_steps(*llms, PROMPTS, [8] * len(PROMPTS))
     assert calls
     if "speculative" in options:
         assert max(calls) > len(PROMPTS)  # guesses attended in place: more rows than sequences
+    assert any(masked) == ("width" in options.get("speculative", ""))  # a tree's rows skip keys in place
 
 
 @needs_cuda
@@ -274,8 +317,8 @@ def test_cuda_graphs_replay_what_eager_steps_compute(model, request):
     torch.testing.assert_close(steps[1], steps[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("speculative", [None, "ngram:k=3,min_speedup=0"])
-def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch, speculative):
+@pytest.mark.parametrize("speculative", [None, "ngram:k=3,min_speedup=0", TREE], ids=["none", "ngram", "tree"])
+def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch, speculative, request):
     """The graphs' fixed buffers (bucketed batch sizes, padding rows that write no K/V, block tables as wide as
     the context window; with guesses, a row a token) give what the step's own tensors give; on the CPU each
     "replay" runs the model over the buffers eagerly (the capture itself: the next test, on CUDA)."""
@@ -295,6 +338,8 @@ def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch
         return (replay := Replay(graphs, size, width)), replay.hidden
 
     monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    if speculative == TREE:
+        speculative = TREE.format(request.getfixturevalue("tiny_feature_draft"))
     options = dict(device=DEVICE, num_blocks=200, block_size=4, enable_prefix_caching=False, native_kernels=False, enforce_eager=True,
                    max_num_seqs=20, speculative=speculative, **FP32)
     # 6 sequences, then fewer as the shorter requests finish; the first, 268 tokens, splits while it runs
@@ -309,14 +354,42 @@ def test_decode_graph_buffers_give_the_eager_steps(tiny_sliding_dir, monkeypatch
     # each bucket twice: tables 512 keys wide (split, at these sizes) and 256 (SPLIT_KEYS, not split)
     assert set(runner.graphs.graphs) == {(size, width) for size in (1, 2, 4, 8, 16, 20) for width in (128, 64)}
     assert not any(t.any() for store in runner.kv_cache.k + runner.kv_cache.v for t in store.values())
-    rows, run, replayed = [], DecodeGraphs.run, []
-    monkeypatch.setattr(DecodeGraphs, "run", lambda graphs, ids, ctx: rows.append(len(ids)) or run(graphs, ids, ctx))
+    rows, run, replayed, trees = [], DecodeGraphs.run, [], []
+    monkeypatch.setattr(DecodeGraphs, "run", lambda graphs, ids, ctx: rows.append(len(ids))
+                        or trees.append(ctx.groups[0].hidden is not None) or run(graphs, ids, ctx))
     _assert_same_steps(*llms, prompts, [4 + 3 * i for i in range(len(prompts))])
     assert replayed.index(64) > 0 and set(replayed[replayed.index(64):]) == {64}  # the long one's steps, then the short graphs
+    assert any(trees) == ("width" in (speculative or ""))  # a tree's steps replayed, each row's skipped keys in a buffer
     if speculative:
         assert max(rows) > len(prompts)  # the sequences' guesses replayed as rows of their own
     else:
         assert set(rows) == {1, 2, 3, 4, 5, 6}  # the batch shrinking as requests finish: buckets 1, 2, 4 and 8
+
+
+def test_decode_graphs_clear_a_trees_masks_for_the_steps_after():
+    """A tree's step leaves its rows' masks in the graphs' buffer; the next step without one clears them all (a row
+    that was padding then may be a sequence's next)."""
+    from types import SimpleNamespace
+
+    from kvserve.attention import ForwardContext, QueryGroup
+    from kvserve.engine.cuda_graphs import DecodeGraphs
+
+    cache = SimpleNamespace(device=torch.device("cpu"), block_size=4, k=[])
+    graphs = DecodeGraphs(None, SimpleNamespace(windows=[None], cache=cache), 8, 16)
+    graphs.graphs = {(size, 16): (SimpleNamespace(replay=lambda: None), torch.zeros(size, 2)) for size in graphs.sizes}
+
+    def step(n: int, hidden: torch.Tensor | None) -> list[int]:
+        rows = torch.arange(n)
+        group = QueryGroup(rows[:, None], rows, [torch.zeros(n, 2, dtype=torch.long)], [None], rows, [torch.full((n,), 5)],
+                           in_order=True, hidden=hidden)
+        backend = SimpleNamespace(step_arguments=lambda ctx: None)
+        graphs.run(torch.zeros(n, dtype=torch.long), ForwardContext(rows, [rows], [group], backend))
+        return graphs.hidden.tolist()
+
+    assert step(4, torch.tensor([5, 0, 3, 1])) == [5, 0, 3, 1, 0, 0, 0, 0]
+    assert step(2, torch.tensor([2, 0])) == [2, 0, 3, 1, 0, 0, 0, 0]  # rows 2 and 3: padding now, attending over nothing
+    assert step(2, None) == [0] * 8
+    assert step(4, None) == [0] * 8
 
 
 def test_cuda_backend_choice_follows_the_layout_triton_and_enforce_eager(tiny_model_dir, tiny_model_dir_d32, monkeypatch):

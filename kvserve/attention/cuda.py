@@ -2,7 +2,8 @@
 every sequence's whole context into a new tensor each layer; in a step of decodes only, the new K/V are written
 at their slots by a second kernel. At small batches long contexts are split over programs (flash-decoding). A
 chain of guesses counts as decodes (the runner makes each guess a query row over its own context); prefill
-chunks, votes, trees and quantized, merged or latent layouts run as SDPA. A decode-only step has fixed shapes
+chunks, votes and quantized, merged or latent layouts run as SDPA; a tree of guesses' rows attend in place too,
+each skipping the keys of its tree's other branches. A decode-only step has fixed shapes
 and no host syncs, so it can be captured as a CUDA graph (engine/cuda_graphs.py)."""
 from __future__ import annotations
 
@@ -48,19 +49,19 @@ class CUDABackend(SDPABackend):
         keys, values = self.cache.k[j]["data"], self.cache.v[j]["data"]
         write_slots(keys, k, ctx.slot_mappings[g])
         write_slots(values, v, ctx.slot_mappings[g])
-        return paged_decode(q, keys, values, group.block_tables[g], group.context_lens[g], scale, self.windows[g])
+        return paged_decode(q, keys, values, group.block_tables[g], group.context_lens[g], scale, self.windows[g], hidden=group.hidden)
 
     def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float, value_dims: int | None = None) -> torch.Tensor:
         """A step's decodes beside prefill chunks attend in place too."""
         if not in_place(group):
             return super().attend(g, j, q, group, scale, value_dims)
         return paged_decode(q[group.query_index[:, 0]], self.cache.k[j]["data"], self.cache.v[j]["data"], group.block_tables[g],
-                            group.context_lens[g], scale, self.windows[g])
+                            group.context_lens[g], scale, self.windows[g], hidden=group.hidden)
 
 
 def in_place(group: QueryGroup) -> bool:
-    """Whether paged_decode serves this group: one query a sequence, none skipping keys (trees) or voting."""
-    return group.is_decode and group.hidden is None and group.score_from is None
+    """Whether paged_decode serves this group: one query a row (a tree's guesses too), none voting."""
+    return group.is_decode and group.score_from is None
 
 
 def write_slots(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
@@ -72,10 +73,12 @@ def write_slots(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> No
 
 
 def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 scale: float, window: int | None, span: int | None = None) -> torch.Tensor:
+                 scale: float, window: int | None, span: int | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence, q [B, heads, dim], over the first context_lens[b] keys of its blocks (the last
     `window` of them where given); keys and values [blocks, block size, kv heads, dim]. Returns [B, heads, dim].
-    `span`: keys per program, 0 for one program per sequence and KV head; None: split_span's choice."""
+    `span`: keys per program, 0 for one program per sequence and KV head; None: split_span's choice. `hidden` [B]
+    int64: bit j set, query b skips the key j + 1 slots before its own (a tree's other branches; QueryGroup.hidden),
+    and its window counts the keys it sees."""
     batch, heads, dim = q.shape
     kv_heads = keys.shape[2]
     rep = heads // kv_heads
@@ -88,10 +91,10 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bloc
     out = torch.empty_like(q)
     parts = torch.empty(batch, heads, splits, dim_p + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
     _paged_decode[(batch, kv_heads, splits)](
-        q, keys, values, out, parts, block_tables, context_lens, scale, window or 0,
+        q, keys, values, out, parts, block_tables, context_lens, context_lens if hidden is None else hidden, scale, window or 0,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         REP=rep, REP_P=max(triton.next_power_of_2(rep), 16), DIM=dim, DIM_P=dim_p, BLOCK_SIZE=keys.shape[1], TILE=tile,
-        SPAN=span if splits > 1 else 0, num_warps=4)
+        SPAN=span if splits > 1 else 0, HAS_HIDDEN=hidden is not None, num_warps=4)
     if splits > 1:
         _combine[(batch, heads)](parts, out, splits, out.stride(0), out.stride(1), DIM=dim, DIM_P=dim_p, CHUNK=16)
     return out
@@ -124,17 +127,22 @@ def _write_slots(x_ptr, cache_ptr, slots_ptr, stride_x, WIDTH: tl.constexpr, WID
 # (their width, the step's longest context) and the window would give a step's decodes beside prefill chunks
 # variants of their own, each compiled mid-run (a second or so) after the graphs' one at start-up.
 @triton.jit(do_not_specialize=["window", "stride_tb"])
-def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, parts_ptr, tables_ptr, lens_ptr, scale, window,
+def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, parts_ptr, tables_ptr, lens_ptr, hidden_ptr, scale, window,
                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
                   REP: tl.constexpr, REP_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPAN: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPAN: tl.constexpr, HAS_HIDDEN: tl.constexpr):
     # One program per (sequence, KV head[, span of SPAN keys]): the query heads sharing that KV head (padded to the
     # 16 rows a dot needs) read each key once. Online softmax over tiles of keys, in fp32 (ieee: no tf32 rounding).
-    # Split (SPAN > 0), a program leaves its unnormalized sums, running max and total to _combine.
+    # Split (SPAN > 0), a program leaves its unnormalized sums, running max and total to _combine. HAS_HIDDEN: the
+    # query skips the keys its mask's bits name, and its window reaches back past as many.
     b = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(lens_ptr + b)
-    first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    skipped = 0
+    if HAS_HIDDEN:
+        mask_bits = tl.load(hidden_ptr + b)
+        skipped = tl.sum((mask_bits >> tl.arange(0, 64).to(tl.int64)) & 1)
+    first = tl.where(window > 0, tl.maximum(length - window - skipped, 0), 0)
     lo, hi = first // TILE * TILE, length
     if SPAN > 0:
         lo, hi = tl.maximum(lo, tl.program_id(2) * SPAN), tl.minimum(hi, (tl.program_id(2) + 1) * SPAN)
@@ -149,6 +157,10 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, parts_ptr, tables_ptr, lens_ptr,
     for start in range(lo, hi, TILE):
         t = start + tl.arange(0, TILE)
         valid = (t >= first) & (t < hi)
+        if HAS_HIDDEN:  # the key `back` slots before the query's own: bit back - 1
+            back = length - 1 - t
+            named = (back >= 1) & (back <= 64)
+            valid = valid & ~(named & (((mask_bits >> tl.where(named, back - 1, 0)) & 1) != 0))
         block = tl.load(tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         at = block * stride_kb + (t % BLOCK_SIZE) * stride_ks + h * stride_kh
         kv_mask = valid[:, None] & (d < DIM)[None, :]

@@ -3,8 +3,9 @@ one from Python keeps the GPU waiting on the host. Each batch size bucket's forw
 start-up (as vLLM does: no request waits for a capture or a Triton compile), over fixed input buffers (tokens,
 positions, slots, block tables as wide as the longest sequence allows, context lengths); a step copies its
 inputs in and replays the bucket's graph. Rows past the step's sequences write no K/V (slot -1)
-and attend over nothing. Where the decode kernel would split long contexts (small buckets), a bucket has a second
-graph over tables only SPLIT_KEYS keys wide, which does not split: steps whose contexts all fit replay that one."""
+and attend over nothing. A tree of guesses' rows replay too: each row's mask of the keys it skips is a buffer.
+Where the decode kernel would split long contexts (small buckets), a bucket has a second graph over tables only
+SPLIT_KEYS keys wide, which does not split: steps whose contexts all fit replay that one."""
 from __future__ import annotations
 
 import time
@@ -25,6 +26,8 @@ class DecodeGraphs:
         self.slots = torch.full((groups, size), -1, dtype=torch.long, device=dev)
         self.tables = torch.zeros((groups, size, max_blocks), dtype=torch.long, device=dev)
         self.lens = torch.zeros((groups, size), dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(size, dtype=torch.long, device=dev)  # QueryGroup.hidden: zeros but in a tree's steps
+        self.masked = False  # whether some row's mask may be set
         self.rows = torch.arange(size, device=dev)
         self.short = min(cuda.SPLIT_KEYS // backend.cache.block_size, max_blocks)  # tables' width where no context splits
         # (batch size, tables' width) -> graph, its hidden states
@@ -47,8 +50,8 @@ class DecodeGraphs:
         return any(split_span(size, k["data"].shape[2], width * cache.block_size, cache.device) for k in cache.k if k)
 
     def fits(self, ctx: ForwardContext) -> bool:
-        """Whether this step is one a graph runs: one query row a token, all attending in place (a chain of guesses
-        counts: a row each; trees and votes do not), in order, within the buffers."""
+        """Whether this step is one a graph runs: one query row a token, all attending in place (guesses count, a
+        row each, a tree's too; votes do not), in order, within the buffers."""
         group = ctx.groups[0]
         return (ctx.backend is self.backend and len(ctx.groups) == 1 and in_place(group) and group.in_order and ctx.votes is None
                 and len(ctx.positions) <= self.sizes[-1] and max(t.shape[1] for t in group.block_tables) <= self.tables.shape[2])
@@ -65,6 +68,12 @@ class DecodeGraphs:
         self.lens[:, n:size] = 0
         for g, table in enumerate(group.block_tables):
             self.tables[g, :n, :table.shape[1]] = table
+        if group.hidden is not None:  # rows past n keep older masks: padding rows, which attend over nothing
+            self.hidden[:n] = group.hidden
+            self.masked = True
+        elif self.masked:
+            self.hidden.zero_()
+            self.masked = False
         short = max(t.shape[1] for t in group.block_tables) <= self.short
         graph, hidden = (short and self.graphs.get((size, self.short))) or self.graphs[size, self.tables.shape[2]]
         graph.replay()
@@ -74,7 +83,7 @@ class DecodeGraphs:
         """The step context over the buffers' first `size` rows and `width` table columns: one decode group, in order."""
         rows = self.rows[:size]
         group = QueryGroup(rows[:, None], rows, list(self.tables[:, :size, :width]), [None] * len(self.tables), rows,
-                           list(self.lens[:, :size]), in_order=True)
+                           list(self.lens[:, :size]), in_order=True, hidden=self.hidden[:size])
         return ForwardContext(self.positions[:size], list(self.slots[:, :size]), [group], self.backend)
 
     def _capture(self, size: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
