@@ -90,14 +90,26 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bloc
     assert values.stride() == keys.stride() and span % tile == 0
     out = torch.empty_like(q)
     parts = torch.empty(batch, heads, splits, dim_p + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
+    hidden = _no_skips(batch, q.device) if hidden is None else hidden  # one kernel variant for all steps (see below)
     _paged_decode[(batch, kv_heads, splits)](
-        q, keys, values, out, parts, block_tables, context_lens, context_lens if hidden is None else hidden, scale, window or 0,
+        q, keys, values, out, parts, block_tables, context_lens, hidden, scale, window or 0,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         REP=rep, REP_P=max(triton.next_power_of_2(rep), 16), DIM=dim, DIM_P=dim_p, BLOCK_SIZE=keys.shape[1], TILE=tile,
-        SPAN=span if splits > 1 else 0, HAS_HIDDEN=hidden is not None, num_warps=4)
+        SPAN=span if splits > 1 else 0, num_warps=4)
     if splits > 1:
         _combine[(batch, heads)](parts, out, splits, out.stride(0), out.stride(1), DIM=dim, DIM_P=dim_p, CHUNK=16)
     return out
+
+
+_NO_SKIPS: dict[torch.device, torch.Tensor] = {}
+
+
+def _no_skips(batch: int, device: torch.device) -> torch.Tensor:
+    """[batch] zeros: rows that skip no keys (one buffer a device, grown as needed)."""
+    zeros = _NO_SKIPS.get(device)
+    if zeros is None or len(zeros) < batch:
+        zeros = _NO_SKIPS[device] = torch.zeros(max(batch, 256), dtype=torch.long, device=device)
+    return zeros[:batch]
 
 
 def split_span(batch: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
@@ -123,25 +135,24 @@ def _write_slots(x_ptr, cache_ptr, slots_ptr, stride_x, WIDTH: tl.constexpr, WID
     tl.store(cache_ptr + slot * WIDTH + i, x, mask=mask)
 
 
-# Triton compiles a variant per class of each int argument (1, a multiple of 16, other): the tables' row stride
-# (their width, the step's longest context) and the window would give a step's decodes beside prefill chunks
-# variants of their own, each compiled mid-run (a second or so) after the graphs' one at start-up.
+# Triton compiles a variant per class of each int argument (1, a multiple of 16, other) and per constexpr: the
+# tables' row stride (their width, the step's longest context) and the window would give a step's decodes beside
+# prefill chunks variants of their own, each compiled mid-run (a second or so) after the graphs' one at start-up.
+# So every call passes masks of skipped keys (zeros but in a tree's steps), not a switch.
 @triton.jit(do_not_specialize=["window", "stride_tb"])
 def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, parts_ptr, tables_ptr, lens_ptr, hidden_ptr, scale, window,
                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
                   REP: tl.constexpr, REP_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPAN: tl.constexpr, HAS_HIDDEN: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPAN: tl.constexpr):
     # One program per (sequence, KV head[, span of SPAN keys]): the query heads sharing that KV head (padded to the
     # 16 rows a dot needs) read each key once. Online softmax over tiles of keys, in fp32 (ieee: no tf32 rounding).
-    # Split (SPAN > 0), a program leaves its unnormalized sums, running max and total to _combine. HAS_HIDDEN: the
-    # query skips the keys its mask's bits name, and its window reaches back past as many.
+    # Split (SPAN > 0), a program leaves its unnormalized sums, running max and total to _combine. The query skips
+    # the keys its mask's bits name (a tree's other branches), and its window reaches back past as many.
     b = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(lens_ptr + b)
-    skipped = 0
-    if HAS_HIDDEN:
-        mask_bits = tl.load(hidden_ptr + b)
-        skipped = tl.sum((mask_bits >> tl.arange(0, 64).to(tl.int64)) & 1)
+    mask_bits = tl.load(hidden_ptr + b)
+    skipped = tl.sum((mask_bits >> tl.arange(0, 64).to(tl.int64)) & 1)
     first = tl.where(window > 0, tl.maximum(length - window - skipped, 0), 0)
     lo, hi = first // TILE * TILE, length
     if SPAN > 0:
@@ -156,11 +167,9 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, out_ptr, parts_ptr, tables_ptr, lens_ptr,
     acc = tl.zeros([REP_P, DIM_P], tl.float32)
     for start in range(lo, hi, TILE):
         t = start + tl.arange(0, TILE)
-        valid = (t >= first) & (t < hi)
-        if HAS_HIDDEN:  # the key `back` slots before the query's own: bit back - 1
-            back = length - 1 - t
-            named = (back >= 1) & (back <= 64)
-            valid = valid & ~(named & (((mask_bits >> tl.where(named, back - 1, 0)) & 1) != 0))
+        back = length - 1 - t  # the key `back` slots before the query's own: mask bit back - 1
+        named = (back >= 1) & (back <= 64)
+        valid = (t >= first) & (t < hi) & ~(named & (((mask_bits >> tl.where(named, back - 1, 0)) & 1) != 0))
         block = tl.load(tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         at = block * stride_kb + (t % BLOCK_SIZE) * stride_ks + h * stride_kh
         kv_mask = valid[:, None] & (d < DIM)[None, :]
