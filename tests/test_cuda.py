@@ -295,11 +295,14 @@ def test_cuda_backend_decodes_as_sdpa(model, options, request, monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_sliding_dir"])
-def test_cuda_graphs_replay_what_eager_steps_compute(model, request):
+@pytest.mark.parametrize("model,speculative", [("tiny_model_dir", None), ("tiny_sliding_dir", None), ("tiny_sliding_dir", TREE)],
+                         ids=["llama", "sliding-layer", "tree"])
+def test_cuda_graphs_replay_what_eager_steps_compute(model, speculative, request):
     path = str(request.getfixturevalue(model))
     prompts = PROMPTS + [list(range(5, 25))]  # 5 sequences: the bucket of 8, with 3 padding rows
-    options = dict(device="cuda", num_blocks=64, block_size=4, enable_prefix_caching=False, **FP32)
+    if speculative == TREE:  # a tree's masks in the graphs' buffer, cleared for the one-token steps after
+        speculative = TREE.format(request.getfixturevalue("tiny_feature_draft"))
+    options = dict(device="cuda", num_blocks=64, block_size=4, enable_prefix_caching=False, speculative=speculative, **FP32)
     eager, graphs = LLM(path, enforce_eager=True, **options), LLM(path, **options)
     assert eager.engine.runner.graphs is None and graphs.engine.runner.graphs is not None
     outputs = []
