@@ -162,6 +162,27 @@ def test_sampled_tokens_follow_the_filtered_distribution(temperature, top_k, top
         assert bool(((share - want).abs() <= 4 * sigma + 1e-9).all()), (share, want)
 
 
+def test_a_seeded_rows_draws_do_not_depend_on_the_rows_beside_it():
+    """Sampling rows draw in one batch; each row's tokens, from its own generator, are the ones it draws alone,
+    whatever the others' filters: none, min-p, top-k, top-p past the first candidates, a top-k past them, greedy."""
+    from kvserve.layers.sampler import SamplingBatch, sample
+
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(0)) * 2
+    params = [SamplingParams(temperature=0.9), SamplingParams(temperature=1.2, min_p=0.1), SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams(temperature=1.0, top_p=0.97), SamplingParams(temperature=0), SamplingParams(temperature=1.1, top_k=2000, top_p=0.99)]
+
+    def draws(rows: list[int]) -> list[list[int]]:
+        batch = SamplingBatch([params[i] for i in rows], [torch.Generator().manual_seed(10 + i) for i in rows], [[]] * len(rows),
+                              [0] * len(rows), [[]] * len(rows))
+        return [sample(logits[rows], batch).token_ids for _ in range(40)]
+
+    together = draws([2, 0, 3, 4, 5, 1])
+    for column, i in enumerate([2, 0, 3, 4, 5, 1]):
+        alone = [tokens[0] for tokens in draws([i])]
+        assert [tokens[column] for tokens in together] == alone
+        assert len(set(alone)) > 1 or not params[i].temperature  # a sampling row's draws vary
+
+
 def test_penalties_apply_to_each_rows_history():
     """Repetition penalty over the prompt and the output (logits above 0 divided, below multiplied); frequency and
     presence penalties over the output only, a row's guesses before it counted as output; logit biases added before
