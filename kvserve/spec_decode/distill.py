@@ -142,35 +142,39 @@ def _distill_layers(settings: DistillSettings, teacher: LLM, evaluation: list[li
 def _distill_features(settings: DistillSettings, teacher: LLM, text: Text, vocab: list[int] | None, progress: bool) -> dict:
     """A feature draft (spec_decode/eagle.py) trained on the target's hidden states: the text's own (answers), else
     computed once for its windows by the reference model (transformers). Its MLP is `mlp` wide (0: the target's MLP
-    width). The first `eval_windows` windows are held out."""
+    width). The first `eval_windows` windows are held out. It trains where the target runs (a GPU's minutes are a
+    CPU's hours)."""
     config, length, held = teacher.engine.checkpoint.config, settings.seq_len, settings.eval_windows
+    device = teacher.engine.runner.device
     reference = transformers_model(teacher.engine.checkpoint.path).eval()
     bf16 = teacher.engine.config.bf16_matmuls
-    draft = FeatureDraft(config.hidden_size, settings.mlp or config.intermediate_size, config.rms_norm_eps, settings.depth)
+    draft = FeatureDraft(config.hidden_size, settings.mlp or config.intermediate_size, config.rms_norm_eps, settings.depth).to(device)
     count = len(text.ids) // length * length
     windows = torch.tensor(text.ids[:count]).view(-1, length)
     features = (text.states[:count].view(len(windows), length, -1) if text.states is not None
                 else _hidden_states(reference, windows, bf16))
     follows = (~text.starts[:count].view(len(windows), length)[:, 1:] if text.starts is not None
                else torch.ones(len(windows), length - 1, dtype=torch.bool))  # a pair of positions the loss may join
-    embed, head = reference.get_input_embeddings(), reference.get_output_embeddings().weight.detach()
-    ids = torch.tensor(vocab) if vocab is not None else torch.arange(config.vocab_size)
+    windows, features, follows = windows.to(device), features.to(device), follows.to(device)
+    embed = reference.get_input_embeddings().to(device)
+    head = reference.get_output_embeddings().weight.detach().to(device)
+    ids = (torch.tensor(vocab) if vocab is not None else torch.arange(config.vocab_size)).to(device)
     vocab_head = head[ids]  # the rows the training loss reads, copied once
     held_out = (windows[:held], features[:held], follows[:held])
     windows, features, follows = windows[held:], features[held:], follows[held:]
     before = evaluate_features(draft, embed, head, ids, *held_out)
-    generator = torch.Generator().manual_seed(settings.seed)
+    generator = torch.Generator(device).manual_seed(settings.seed)
 
     def loss() -> torch.Tensor:
-        pick = torch.randint(len(windows), (settings.batch,), generator=generator)
+        pick = torch.randint(len(windows), (settings.batch,), generator=generator, device=device)
         with torch.no_grad():
             embedded = embed(windows[pick])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             return feature_loss(draft, embedded, features[pick], vocab_head, generator, follows=follows[pick], depth=settings.depth)
 
     losses = train_steps(list(draft.parameters()), loss, settings, progress)
     after = evaluate_features(draft, embed, head, ids, *held_out)
-    draft.save(Path(settings.out), vocab)
+    draft.cpu().save(Path(settings.out), vocab)
     after.pop("target_perplexity")
     return {"losses": losses, "target_perplexity": before.pop("target_perplexity"), "before": before, "after": after}
 
@@ -184,8 +188,8 @@ def feature_loss(draft: FeatureDraft, embedded: torch.Tensor, features: torch.Te
     the pairs (t, t + 1) that `follows` [B, T - 1] marks (default: all). With depth d > 1, the draft then goes on
     from its own prediction, as it does when it guesses d tokens (EAGLE-3's training-time test): the prediction
     and token t + 2 give the state at t + 2, and so on; the loss is the mean over the d depths."""
-    follows = torch.ones(features.shape[:1] + (features.shape[1] - 1,), dtype=torch.bool) if follows is None else follows
-    current = features[:, :-1] + noise * torch.randn(features[:, :-1].shape, generator=generator)
+    follows = torch.ones(features.shape[:1] + (features.shape[1] - 1,), dtype=torch.bool, device=features.device) if follows is None else follows
+    current = features[:, :-1] + noise * torch.randn(features[:, :-1].shape, generator=generator, device=features.device)
     valid, losses = follows, []
     for d in range(min(depth, features.shape[1] - 1)):
         predicted, following = draft(embedded[:, 1 + d:], current), features[:, 1 + d:]
@@ -499,6 +503,7 @@ def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: 
     regions: dict[str, list[int]] = {}  # request id -> [its region's first row, rows written]
 
     def record(seqs, features: torch.Tensor) -> None:
+        features = features.to("cpu", torch.float32)  # one copy a step from a GPU, not one a row
         for seq, feature in zip(seqs, features):
             region = regions.setdefault(seq.request_id, [len(regions) * max_tokens, 0])
             buffer[region[0] + region[1]] = feature
