@@ -111,6 +111,7 @@ def _among_likeliest(scaled: torch.Tensor, total: torch.Tensor, top_k: list[int]
     probs = (values - total).exp()
     mass = _per_row(top_p, probs)
     wide = [j for j, k in enumerate(top_k) if k > size]  # rows whose top_k reaches past these tokens
+    short: list[int] = []  # those of them short of their top_p mass here
     if wide:
         rows = slice(None) if len(wide) == len(top_k) else wide
         enough = (probs[rows].sum(-1) >= (mass if isinstance(mass, float) else mass[rows, 0])).tolist()
@@ -122,7 +123,7 @@ def _among_likeliest(scaled: torch.Tensor, total: torch.Tensor, top_k: list[int]
         keep &= torch.arange(size, device=probs.device) < _per_row(top_k, probs, torch.long)
     keep[:, 0] = True  # a prefix of each row
     tokens = ids.gather(1, _draw(probs * keep, u, keep.sum(-1))[:, None])[:, 0]
-    if wide and short:
+    if short:
         tokens[short] = _among_likeliest(scaled[short], total[short], [top_k[j] for j in short], [top_p[j] for j in short],
                                          u[short], level + 1)
     return tokens
