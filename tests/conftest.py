@@ -85,6 +85,19 @@ def greedy(max_tokens: int, **kw):
 
 
 
+def parted_at_near_ties(reference: list, outputs: list, margin: float) -> int:
+    """How many outputs part from their reference's greedy tokens (completions asked with logprobs=2), each only
+    where the reference's top two were within `margin` nats (a near-tie a rounding can flip)."""
+    parted = 0
+    for a, b in zip(reference, outputs):
+        at = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if at is not None:
+            first, second = sorted(a.logprobs[at].top.values(), reverse=True)[:2]
+            assert first - second < margin, f"parted at token {at} without a near-tie ({first:.3f} vs {second:.3f})"
+            parted += 1
+    return parted
+
+
 def assert_fused_paths_agree(llm: LLM, prompts: list, params, tolerance: float) -> None:
     """The same requests with the decode steps as one native call for the whole layer stack, as fused native ops per
     layer, and as modules (the engine put back as it was after each): the first two give the same numbers (the same

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, KVServeError
-from tests.conftest import FP32, greedy
+from tests.conftest import FP32, greedy, parted_at_near_ties
 
 PROMPTS = ["The capital of France is", ("Write a short story about a dragon who learns to program computers. The dragon lives in a cave "
             "high in the mountains and has never seen a computer before. Once upon"),
@@ -81,13 +81,6 @@ def test_int8_kv_scheduled_equals_alone(options):
     llm = LLM("smollm2-135m", kv_cache_dtype="int8", enable_prefix_caching=False, **{"kv_cache_memory": "64MiB", **options}, **FP32)
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert llm.engine.kv_manager.pool.num_used == 0
-    parted = 0
-    for a, b in zip(alone, outs):
-        at = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
-        if at is not None:
-            first, second = sorted(a.logprobs[at].top.values(), reverse=True)[:2]
-            assert first - second < 0.05, f"parted at token {at} without a near-tie ({first:.3f} vs {second:.3f})"
-            parted += 1
-    assert parted <= 1
+    assert parted_at_near_ties(alone, outs, 0.05) <= 1
     if "preemption_mode" in options:
         assert llm.engine.scheduler.stats.num_preemptions > 0
