@@ -86,13 +86,11 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
     if not filtered:  # the whole distribution, in vocabulary order: no sort
         return _draw(scaled.softmax(-1), u)
     if len(filtered) == len(params):
-        return _among_likeliest(scaled, torch.logsumexp(scaled, -1, keepdim=True), top_k, top_p, u)
+        return _among_likeliest(scaled, top_k, top_p, u)
     tokens = torch.empty(len(params), dtype=torch.long, device=device)
-    plain = [i for i in range(len(params)) if i not in set(filtered)]
+    plain = [i for i in range(len(params)) if top_k[i] == vocab and top_p[i] >= 1]
     tokens[plain] = _draw(scaled[plain].softmax(-1), u[plain])
-    rows = scaled[filtered]
-    tokens[filtered] = _among_likeliest(rows, torch.logsumexp(rows, -1, keepdim=True), [top_k[i] for i in filtered],
-                                        [top_p[i] for i in filtered], u[filtered])
+    tokens[filtered] = _among_likeliest(scaled[filtered], [top_k[i] for i in filtered], [top_p[i] for i in filtered], u[filtered])
     return tokens
 
 
@@ -101,11 +99,12 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
 TOP_P_CANDIDATES = (64, 1024)
 
 
-def _among_likeliest(scaled: torch.Tensor, total: torch.Tensor, top_k: list[int], top_p: list[float], u: torch.Tensor,
-                     level: int = 0) -> torch.Tensor:
-    """_sample_rows' draw for rows [R, V] with a top-k or top-p filter (total: each row's logsumexp), among the
-    likeliest TOP_P_CANDIDATES[level] tokens (no more than the rows' top_k); rows whose tokens these may not hold
-    all (short of top_p's mass, a top_k beyond them) draw again among more."""
+def _among_likeliest(scaled: torch.Tensor, top_k: list[int], top_p: list[float], u: torch.Tensor, level: int = 0,
+                     total: torch.Tensor | None = None) -> torch.Tensor:
+    """_sample_rows' draw for rows [R, V] with a top-k or top-p filter, among the likeliest TOP_P_CANDIDATES[level]
+    tokens (no more than the rows' top_k); rows whose tokens these may not hold all (short of top_p's mass, a
+    top_k beyond them) draw again among more. total: each row's logsumexp (computed at the first level)."""
+    total = torch.logsumexp(scaled, -1, keepdim=True) if total is None else total
     size = min((*TOP_P_CANDIDATES, scaled.shape[-1])[level], max(top_k))
     values, ids = scaled.topk(size)  # sorted, likeliest first
     probs = (values - total).exp()
@@ -117,15 +116,15 @@ def _among_likeliest(scaled: torch.Tensor, total: torch.Tensor, top_k: list[int]
         enough = (probs[rows].sum(-1) >= (mass if isinstance(mass, float) else mass[rows, 0])).tolist()
         short = [j for j, ok in zip(wide, enough) if not ok]
         if len(short) == len(top_k):
-            return _among_likeliest(scaled, total, top_k, top_p, u, level + 1)
+            return _among_likeliest(scaled, top_k, top_p, u, level + 1, total)
     keep = (probs.cumsum(-1) - probs) < mass  # drop a token once the mass before it reaches top_p
     if min(top_k) < size:
         keep &= torch.arange(size, device=probs.device) < _per_row(top_k, probs, torch.long)
     keep[:, 0] = True  # a prefix of each row
     tokens = ids.gather(1, _draw(probs * keep, u, keep.sum(-1))[:, None])[:, 0]
     if short:
-        tokens[short] = _among_likeliest(scaled[short], total[short], [top_k[j] for j in short], [top_p[j] for j in short],
-                                         u[short], level + 1)
+        tokens[short] = _among_likeliest(scaled[short], [top_k[j] for j in short], [top_p[j] for j in short], u[short], level + 1,
+                                         total[short])
     return tokens
 
 
