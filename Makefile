@@ -30,8 +30,11 @@ redis:
 	@command -v redis-server >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
+# Two workers (pytest-xdist), a test file each at a time so module fixtures are built once: on 2 cores the suite
+# takes ~0.65 of one process's time (13 against 19 minutes), its Python-bound tests running beside each other.
+TEST_WORKERS ?= 2
 test: $(STAMP) browser redis
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(PY) bench/decode.py
