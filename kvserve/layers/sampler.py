@@ -82,13 +82,14 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
     u = torch.tensor([float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators], dtype=torch.float64, device=device)
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
-    filtered = [i for i in range(len(params)) if top_k[i] < vocab or top_p[i] < 1]
+    is_filtered = [k < vocab or p < 1 for k, p in zip(top_k, top_p)]
+    filtered = [i for i, f in enumerate(is_filtered) if f]
     if not filtered:  # the whole distribution, in vocabulary order: no sort
         return _draw(scaled.softmax(-1), u)
     if len(filtered) == len(params):
         return _among_likeliest(scaled, top_k, top_p, u)
     tokens = torch.empty(len(params), dtype=torch.long, device=device)
-    plain = [i for i in range(len(params)) if top_k[i] == vocab and top_p[i] >= 1]
+    plain = [i for i, f in enumerate(is_filtered) if not f]
     tokens[plain] = _draw(scaled[plain].softmax(-1), u[plain])
     tokens[filtered] = _among_likeliest(scaled[filtered], [top_k[i] for i in filtered], [top_p[i] for i in filtered], u[filtered])
     return tokens
