@@ -9,7 +9,7 @@ import torch
 from kvserve import LLM
 
 # `make test` runs a worker a core (pytest-xdist): more threads than cores would leave OpenMP's threads spinning
-# at their barriers for a core the other worker holds (2 workers x 2 threads on 2 cores: slower than 1 worker)
+# at their barriers for a core the other worker holds (2 workers x 2 threads on 2 cores: no faster than 1 process)
 if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
     torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
