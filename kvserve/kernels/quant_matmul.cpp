@@ -345,8 +345,8 @@ void panel_int8_avx2(const uint8_t* panel, const Layout& L, const Activations& a
         const uint8_t* p = panel + L.unit_at(u);
         for (int64_t b = 0; b < L.unit_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD + b), _MM_HINT_T0);
         if (t.kquant && u % 8 == 0) block_scales<TYPE>(p, L, h, &d, &dmin);
-        __m256i dl[R], dh[R];
-        for (int r = 0; r < R; ++r) dl[r] = dh[r] = _mm256_setzero_si256();
+        __m256i dl[R], dh[R], pairs[R];
+        for (int r = 0; r < R; ++r) dl[r] = dh[r] = pairs[r] = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
             __m256i lo, hi;
             half_vector<TYPE>(p, L, j, h, &lo, &hi);
@@ -360,9 +360,13 @@ void panel_int8_avx2(const uint8_t* panel, const Layout& L, const Activations& a
                     dh[r] = _mm256_add_epi32(dh[r], dot_lanes(_mm256_sign_epi8(wh, wh), _mm256_sign_epi8(xh, wh)));
                 } else if constexpr (t.per16) {
                     dl[r] = _mm256_add_epi32(dl[r], dot_lanes(lo, xl)), dh[r] = _mm256_add_epi32(dh[r], dot_lanes(hi, xh));
-                } else {  // 4- and 5-bit codes: both halves' int16 pairs add without overflow
-                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-                    dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+                } else {  // int16 pairs, at most 2 * 15 * 127 for 4-bit codes, 2 * 31 * 127 for 5-bit ones: a unit's
+                    // four code vectors (4-bit) or two (5-bit) sum without overflow before one widening to int32
+                    pairs[r] = _mm256_add_epi16(pairs[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+                    if (t.bits == 4 ? j == 3 : j % 2 == 1) {
+                        dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
+                        pairs[r] = _mm256_setzero_si256();
+                    }
                 }
             }
         }
