@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvserve import LLM
-from kvserve.attention import sdpa
 from tests.conftest import FP32, greedy
 from tests.test_llama import step_logits
 
@@ -20,30 +18,6 @@ def test_cached_decode_equals_recomputation(smollm2):
     assert cached_tokens == full_tokens
     torch.testing.assert_close(cached_logits, full_logits, atol=5e-4, rtol=0)
     assert recompute.engine.kv_manager.pool.num_used == 0
-
-
-def test_chunk_after_cached_keys_equals_one_masked_pass():
-    """Scores over the cached keys and the chunk's own, merged, are SDPA's over all of them with the chunk's mask
-    (GQA; keys past the chunk, the rest of its last block, unseen)."""
-    g = torch.Generator().manual_seed(0)
-    cached, n, length = 37, 20, 64
-    q, k, v = (torch.randn(1, heads, rows, 16, generator=g) for heads, rows in ((6, n), (2, length), (2, length)))
-    mask = torch.arange(length)[None, :] <= cached + torch.arange(n)[:, None]
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
-    torch.testing.assert_close(sdpa._after_cached(q, k, v, cached, 0.25), expected, atol=1e-6, rtol=0)
-
-
-def test_chunked_prompt_matches_one_pass(tiny_model_dir, monkeypatch):
-    prompt = torch.randint(1, 200, (45,), generator=torch.Generator().manual_seed(1)).tolist()
-    options = dict(block_size=4, enable_prefix_caching=False, **FP32)
-    whole = step_logits(LLM(str(tiny_model_dir), max_num_batched_tokens=64, **options), prompt, 4)
-    calls = []
-    split = sdpa._after_cached
-    monkeypatch.setattr(sdpa, "_after_cached", lambda *a: calls.append(a[3]) or split(*a))
-    chunked = step_logits(LLM(str(tiny_model_dir), max_num_batched_tokens=16, **options), prompt, 4)
-    assert sorted(set(calls)) == [16, 32]  # the second and third chunks, in every layer
-    assert chunked[0] == whole[0]
-    torch.testing.assert_close(chunked[1], whole[1], atol=1e-5, rtol=0)
 
 
 def test_kv_bytes_match_formula_and_tensors(tiny_model_dir):

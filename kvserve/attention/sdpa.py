@@ -70,11 +70,6 @@ class SDPABackend:
         """The group's valid queries' outputs [V, H, D], over the cache of layer j of KV group g (value_dims: the
         values are the keys' first dims, MLA)."""
         keys, values = self._keys_values(g, j, group, value_dims)
-        cached = int(group.context_lens[g][0]) - group.query_index.shape[1]
-        if q.device.type == "cpu" and len(group.query_index) == 1 and cached > 0 and group.masks[g] is not None \
-                and self.cache.layout.windows[g] is None and value_dims is None and group.hidden is None:
-            queries = q[group.query_index[0]].transpose(0, 1)[None]
-            return _after_cached(queries, keys.transpose(1, 2), values.transpose(1, 2), cached, scale)[0].transpose(0, 1)
         repeat = q.shape[1] // keys.shape[2]
         if q.device.type == "cuda" and repeat > 1:  # CUDA's fused kernels take no enable_gqa; the math one is slow
             keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)
@@ -89,15 +84,3 @@ class SDPABackend:
         """The group's cached keys and values [B, L, KVH, D] (value_dims: the values are the keys' first dims, MLA)."""
         keys, values = self.cache.gather(j, group.block_tables[g])
         return keys, (values if value_dims is None else keys[..., :value_dims])
-
-
-def _after_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int, scale: float) -> torch.Tensor:
-    """One sequence's chunk of queries [1, H, Q, D] after its `cached` keys ([1, KVH, L, D], L >= cached + Q): over
-    those keys unmasked and over its own causally, the two merged by their log-sum-exps. SDPA with the chunk's mask
-    would score every query against every key (a 2,048-token prompt's last 512-token chunk: 32 ms a layer against 28)."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    n = q.shape[2]
-    before, lse_before = flash(q, keys[:, :, :cached], values[:, :, :cached], scale=scale)
-    own, lse_own = flash(q, keys[:, :, cached:cached + n], values[:, :, cached:cached + n], is_causal=True, scale=scale)
-    share = torch.sigmoid(lse_before - lse_own)[..., None]  # e^lse_before / (e^lse_before + e^lse_own)
-    return own + share * (before - own)
