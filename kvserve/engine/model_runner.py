@@ -33,7 +33,8 @@ NO_VOTES = 1 << 30  # a sequence's first voting query when none of its queries v
 class StepInputs:
     input_ids: torch.Tensor
     ctx: ForwardContext
-    logits_index: torch.Tensor  # flat index of each token whose logits are sampled: a sequence's last, and its guesses'
+    # flat index of each token whose logits are sampled (a sequence's last, and its guesses'); None: every token, in order
+    logits_index: torch.Tensor | None
     sampling_rows: list[int]  # which of the batch's sequences sample (each has 1 + its guesses rows), in order
     # sequences scoring their prompt: (row in the batch, flat index of each scoring token, the prompt token it predicts)
     prompt_rows: list[tuple[int, torch.Tensor, torch.Tensor]]
@@ -107,7 +108,7 @@ class ModelRunner:
             hidden = self.graphs.run(inputs.input_ids, inputs.ctx)
         else:
             hidden = self.model(inputs.input_ids, inputs.ctx)
-        selected = hidden[inputs.logits_index]
+        selected = hidden if inputs.logits_index is None else hidden[inputs.logits_index]
         logits = self.model.compute_logits(selected)
         self.last_logits = logits
         votes = _collect_votes(inputs, batch.seqs, self.kv_cache.layout.num_layers)
@@ -174,7 +175,11 @@ class ModelRunner:
                 self.kv_cache.pack(pairs)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """The step's inputs. The index arithmetic runs in NumPy (a decode step's dozens of tiny array ops cost a
+        """The step's inputs: a step of plain decodes takes a short cut to the same ones."""
+        return self._prepare_decodes(batch) if _plain_decodes(batch) else self._prepare_any(batch)
+
+    def _prepare_any(self, batch: ScheduledBatch) -> StepInputs:
+        """The inputs of any step. The index arithmetic runs in NumPy (a decode step's dozens of tiny array ops cost a
         fraction of torch's per-op dispatch) and becomes tensors, without copies, at the end."""
         bs, dev = self.config.block_size, self.device
         starts = np.array([s.num_slots for s in batch.seqs])  # positions in the cache
@@ -224,6 +229,30 @@ class ModelRunner:
         return StepInputs(input_ids.to(dev), ctx, logits_index.to(dev), sampling_rows,
                           [(i, index.to(dev), targets) for i, index, targets in prompt_rows if len(index)],
                           [np.flatnonzero(rows).tolist() for rows in selections])
+
+    def _prepare_decodes(self, batch: ScheduledBatch) -> StepInputs:
+        """prepare's inputs for a step of plain decodes (_plain_decodes), with a fraction of its array work: a batch-1
+        step runs this Python on caches its weights just swept, where each NumPy or torch call costs 10-60 us."""
+        bs, dev, seqs = self.config.block_size, self.device, batch.seqs
+        starts = np.array([s.num_slots for s in seqs])  # each token's position and slot in the cache
+        rows, ones = np.arange(len(seqs)), np.ones(len(seqs), dtype=np.int64)
+        tables = _batch_tables(seqs)
+        slot_mappings = [torch.from_numpy(t[rows, starts // bs] * bs + starts % bs).to(dev) for t in tables]
+        group = _group(ones.astype(bool), starts, ones, rows, tables, bs, self.windows).to(dev)
+        group.in_order = True
+        sampling_rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
+        logits_index = None if len(sampling_rows) == len(seqs) else torch.tensor(sampling_rows).to(dev)
+        ctx = ForwardContext(torch.from_numpy(starts).to(dev), slot_mappings, [group], self.backend)
+        input_ids = torch.tensor([s.token_ids[s.num_computed_tokens] for s in seqs]).to(dev)
+        return StepInputs(input_ids, ctx, logits_index, sampling_rows, [], [rows.tolist()])
+
+
+def _plain_decodes(batch: ScheduledBatch) -> bool:
+    """Whether every sequence of the step computes one token of its own, in place (no guesses, KV policy, prompt
+    scoring or padding): a decode step's usual case."""
+    return not batch.padding and not batch.rectangular and all(
+        n == 1 and not s.draft_token_ids and s.policy is None and (s.prompt_logprobs is None or s.num_computed_tokens >= s.num_prompt_tokens)
+        for s, n in zip(batch.seqs, batch.num_tokens))
 
 
 def _collect_votes(inputs: StepInputs, seqs: list[Sequence], num_layers: int) -> dict[Sequence, torch.Tensor]:
