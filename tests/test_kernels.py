@@ -116,6 +116,34 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype, int8, isa):
         assert torch.equal(native_ops().gguf_matmul(x[:rows], w, int(qtype), int8), alone[:rows]), rows
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matmul_argmax_is_numpys_argmax_of_its_output(qtype, int8, threads, isa):
+    """The LM head's greedy tokens, found as each thread's outputs land: NumPy's argmax of the same output, the first
+    of tied largest values (a row's twin in another thread's columns), a NaN counted as largest."""
+    w_rows, cols = 100, 256
+    blocks = random_blocks(qtype, w_rows, cols)
+    blocks[90] = blocks[3]  # twins: x near row 3's values makes them the largest outputs, tied
+    blocks[60] = blocks[20]
+    nan_blocks = blocks.copy()
+    nan_blocks[70, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # a NaN scale: row 70's outputs are NaN
+    values = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
+    x = torch.cat([values[[3, 20]], torch.randn(3, cols, generator=torch.Generator().manual_seed(2))])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (blocks, nan_blocks):
+            w = native_ops().gguf_pack(torch.from_numpy(b), int(qtype))
+            for rows in range(1, len(x) + 1):
+                out, argmax = native_ops().gguf_matmul_argmax(x[:rows], w, int(qtype), int8)
+                torch.testing.assert_close(out, native_ops().gguf_matmul(x[:rows], w, int(qtype), int8), rtol=0, atol=0, equal_nan=True)
+                assert argmax.tolist() == out.numpy().argmax(-1).tolist(), rows
+            assert argmax[:2].tolist() == ([3, 20] if b is blocks else [70, 70])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kernel_isa_can_be_forced():
     before = native_ops().kernel_isa()
     native_ops().set_kernel_isa("avx2")

@@ -109,7 +109,10 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.ctx)
         selected = hidden if inputs.logits_index is None else hidden[inputs.logits_index]
-        logits = self.model.compute_logits(selected)
+        if any(seq.params.greedy for seq in batch.seqs):
+            logits, argmax = self.model.compute_logits_argmax(selected)
+        else:
+            logits, argmax = self.model.compute_logits(selected), None
         self.last_logits = logits
         votes = _collect_votes(inputs, batch.seqs, self.kv_cache.layout.num_layers)
         rows, first = [], 0  # (sequence, logits row, its guesses before that row), one per sample
@@ -122,7 +125,10 @@ class ModelRunner:
         sampling = SamplingBatch([s.params for s, _, _ in rows], [s.generator for s, _, _ in rows], [s.token_ids for s, _, _ in rows],
                                  [s.num_prompt_tokens for s, _, _ in rows], [g for _, _, g in rows], [s.early_stops for s, _, _ in rows])
         index = [i for _, i, _ in rows]
-        sampled = sample(logits if index == list(range(len(logits))) else logits[index], sampling)  # in order: no copy
+        if index == list(range(len(logits))):  # in order: no copy
+            sampled = sample(logits, sampling, argmax)
+        else:
+            sampled = sample(logits[index], sampling, None if argmax is None else argmax[index])
         output = StepOutput([], [], [], sampled, votes)
         at, moves = 0, []
         while at < len(rows):  # each sequence's samples are consecutive: one after its newest token, then one per guess

@@ -14,7 +14,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "quants.h"
@@ -540,6 +542,75 @@ void rows_fp32(const float* x, const float* xsum, const uint8_t* w, const Layout
     }
 }
 
+// The first largest of each of M rows' outputs in columns [c0, c1), NaN largest (NumPy's argmax): column c of row r
+// is at out[r * ldo + c].
+struct RowArgmax {
+    std::vector<float> value;
+    std::vector<int64_t> at;
+
+    void scan(const float* out, int64_t ldo, int64_t M, int64_t c0, int64_t c1) {
+        value.resize(M), at.resize(M);
+        for (int64_t r = 0; r < M; ++r) {
+            const float* row = out + r * ldo + c0;
+            const int64_t n = c1 - c0;
+            const float best = largest(row, n);  // then its first place: two vector passes, not a compare a value
+            int64_t c = 0;
+            if (best != best)
+                while (row[c] == row[c]) ++c;
+            else
+                while (row[c] != best) ++c;
+            value[r] = best, at[r] = c0 + c;
+        }
+    }
+
+    // The largest of n values, NaN if any is.
+    static float largest(const float* x, int64_t n) {
+        __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, nan = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+            m0 = _mm256_max_ps(m0, a), m1 = _mm256_max_ps(m1, b);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
+        float best = *std::max_element(lanes, lanes + 8);
+        bool any_nan = _mm256_movemask_ps(nan) != 0;
+        for (; i < n; ++i) best = std::max(best, x[i]), any_nan |= x[i] != x[i];
+        return any_nan ? NAN : best;
+    }
+
+    // Takes `later`'s where it beats this one's (scans of later columns merged in their order keep the first).
+    void merge(const RowArgmax& later) {
+        for (size_t r = 0; r < value.size(); ++r)
+            if (value[r] == value[r] && (later.value[r] > value[r] || later.value[r] != later.value[r]))
+                value[r] = later.value[r], at[r] = later.at[r];
+    }
+};
+
+// Each thread's scan of the columns it computed (a slot each; the calling thread's outside a parallel region, and the
+// last rows'), merged in column order: the rows' argmax.
+struct ArgmaxScans {
+    std::vector<std::pair<int64_t, RowArgmax>> parts;
+
+    explicit ArgmaxScans(bool wanted) { parts.resize(wanted ? at::get_num_threads() + 2 : 0); }
+
+    void scan(const float* out, int64_t ldo, int64_t M, int64_t c0, int64_t c1, bool last_rows = false) {
+        if (parts.empty() || c0 >= c1) return;
+        const size_t slot = last_rows ? parts.size() - 1 : at::in_parallel_region() ? at::get_thread_num() : parts.size() - 2;
+        auto& [first, part] = parts[slot];
+        first = c0, part.scan(out, ldo, M, c0, c1);
+    }
+
+    void write(int64_t M, int64_t* argmax) {
+        if (parts.empty()) return;
+        std::erase_if(parts, [](const auto& p) { return p.second.value.empty(); });
+        std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+        for (size_t i = 1; i < parts.size(); ++i) parts[0].second.merge(parts[i].second);
+        std::copy_n(parts[0].second.at.begin(), M, argmax);
+    }
+};
+
 }  // namespace
 
 bool kvq::avx512_enabled() { return use_avx512; }
@@ -556,10 +627,11 @@ void kvq::dequantize_f32(int type, const uint8_t* w, const Layout& L, int64_t N,
 
 // out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows (see quants.h).
 void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
-                 float* out, int64_t ldo) {
+                 float* out, int64_t ldo, int64_t* argmax) {
     if (M == 0 || N == 0) return;
     const kvt::Scope timed;
     const Layout L = layout(type, K);
+    ArgmaxScans scans(argmax != nullptr);
     if (!int8_activations) {
         thread_local std::vector<float> sums;
         sums.assign(M * L.units, 0.0f);
@@ -568,14 +640,19 @@ void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* 
         const float* xsum = sums.data();  // this thread's buffer: its address taken here, not in the workers
         at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
             with_type(type, [&]<int TYPE>() { rows_fp32<TYPE>(x, xsum, w, L, N, M, n0, n1, out, ldo); });
+            scans.scan(out, ldo, M, n0, n1);
         });
+        scans.write(M, argmax);
         return;
     }
     thread_local Prepared prepared;
     quantize_activations(type, x, M, K, prepared);
     const Activations a = prepared.view(L.units);
     const int64_t panels = N / PANEL, rest = N % PANEL;
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { panels_int8(type, a, w, L, M, p0, p1, out, ldo); });
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+        panels_int8(type, a, w, L, M, p0, p1, out, ldo);
+        scans.scan(out, ldo, M, p0 * PANEL, p1 * PANEL);
+    });
     if (rest) {  // the last rows, in the row format: through a panel of their own, zeros past them
         thread_local std::vector<uint8_t> panel;
         thread_local std::vector<float> tail;
@@ -584,11 +661,14 @@ void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* 
             lane_io<true>(type, L, panel.data(), l, const_cast<uint8_t*>(w) + (panels * PANEL + l) * L.row_bytes);
         panels_int8(type, a, panel.data(), L, M, 0, 1, tail.data(), PANEL);
         for (int64_t r = 0; r < M; ++r) std::copy_n(tail.data() + r * PANEL, rest, out + r * ldo + panels * PANEL);
+        scans.scan(out, ldo, M, panels * PANEL, N, true);
     }
+    scans.write(M, argmax);
 }
 
 // x [M, K] fp32 @ W.T for packed W [N, row bytes]: [M, N]. int8_activations: x quantized per 32 values first.
-at::Tensor gguf_matmul(const at::Tensor& input, const at::Tensor& w, int64_t type, bool int8_activations) {
+// `argmax` (int64 [M]): each output row's argmax too.
+static at::Tensor checked_matmul(const at::Tensor& input, const at::Tensor& w, int64_t type, bool int8_activations, at::Tensor* argmax) {
     TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat && input.device().is_cpu(), "x must be a 2-D fp32 CPU tensor");
     const at::Tensor x = input.contiguous();
     const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -596,8 +676,22 @@ at::Tensor gguf_matmul(const at::Tensor& input, const at::Tensor& w, int64_t typ
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == L.row_bytes,
                 "weights do not match K=", K, ": expected packed rows of ", L.row_bytes, " bytes");
     at::Tensor out = at::empty({M, N}, x.options());
-    kvq::matmul(static_cast<int>(type), x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, int8_activations, out.data_ptr<float>(), N);
+    if (argmax) *argmax = at::empty({M}, x.options().dtype(at::kLong));
+    kvq::matmul(static_cast<int>(type), x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, int8_activations, out.data_ptr<float>(), N,
+                argmax ? argmax->data_ptr<int64_t>() : nullptr);
     return out;
+}
+
+at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type, bool int8_activations) {
+    return checked_matmul(x, w, type, int8_activations, nullptr);
+}
+
+// gguf_matmul, and each output row's argmax [M], found as the outputs land: a greedy step's tokens without a pass
+// over its logits.
+std::tuple<at::Tensor, at::Tensor> gguf_matmul_argmax(const at::Tensor& x, const at::Tensor& w, int64_t type, bool int8_activations) {
+    at::Tensor argmax;
+    at::Tensor out = checked_matmul(x, w, type, int8_activations, &argmax);
+    return {out, argmax};
 }
 
 // A GGUF tensor's rows [N, row bytes] -> the kernels' layout [N, packed row bytes] (panels, then the rest).
@@ -687,6 +781,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("gguf_select(Tensor w, Tensor ids, int type, int K) -> Tensor", &gguf_select);
     m.def("gguf_rows(Tensor w, Tensor ids, int type, int K) -> Tensor", &gguf_rows);
     m.def("gguf_matmul(Tensor x, Tensor w, int type, bool int8_activations=False) -> Tensor", &gguf_matmul);
+    m.def("gguf_matmul_argmax(Tensor x, Tensor w, int type, bool int8_activations=False) -> (Tensor, Tensor)", &gguf_matmul_argmax);
     m.def("kernel_isa() -> str", &kernel_isa);
     m.def("set_kernel_isa(str name) -> ()", &set_kernel_isa);
     m.def("kernel_seconds() -> float", &kernel_seconds);

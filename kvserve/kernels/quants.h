@@ -199,9 +199,10 @@ inline __m256i unit_values(int type, const uint8_t* row, const Layout& L, int64_
 Layout checked_layout(int64_t type, int64_t K);
 
 // out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows of `type` (panels, then the rest),
-// with int8-quantized activations or fp32 ones (quant_matmul.cpp; for the fused layer ops too).
+// with int8-quantized activations or fp32 ones (quant_matmul.cpp; for the fused layer ops too). `argmax`: also
+// each row's first largest output's n (a NaN counts as largest, as in NumPy), found as each thread's outputs land.
 void matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
-            float* out, int64_t ldo);
+            float* out, int64_t ldo, int64_t* argmax = nullptr);
 
 // Rows [n0, n1) of a packed tensor `w` of N rows of `type` as fp32, row n at out + (n - n0) * L.K (quant_matmul.cpp).
 void dequantize_f32(int type, const uint8_t* w, const Layout& L, int64_t N, int64_t n0, int64_t n1, float* out);

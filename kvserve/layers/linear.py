@@ -51,6 +51,13 @@ class Linear(nn.Linear):
         y = self._matmul(x)
         return y if self.bias is None else y + self.bias
 
+    def forward_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward, and each output row's argmax where the kernel finds it as it multiplies (a quantized weight, no
+        bias, within kernel_rows: an LM head's greedy tokens); else None."""
+        if self.qweight is None or self.bias is not None or x.shape[0] > self.kernel_rows:
+            return self(x), None
+        return self.qweight.matmul_argmax(x, self.int8_activations)
+
     @property
     def kernel_rows(self) -> int:
         """Up to this many rows a quantized weight multiplies in place; more run a GEMM over dequantized tiles."""

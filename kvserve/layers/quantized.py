@@ -100,6 +100,14 @@ class QuantizedWeight:
         outs = [native_ops().gguf_matmul(x, rows, KERNEL_TYPES[qtype], int8_activations) for qtype, rows in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
+    def matmul_argmax(self, x: torch.Tensor, int8_activations: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """matmul, and each output row's argmax where the kernel finds it as the outputs land (a weight of one part);
+        else None."""
+        if len(self.parts) > 1:
+            return self.matmul(x, int8_activations), None
+        (qtype, rows), = self.parts
+        return native_ops().gguf_matmul_argmax(x, rows, KERNEL_TYPES[qtype], int8_activations)
+
     def tiles(self, dtype: torch.dtype):
         """(first row, dequantized rows [n, in]) for all rows, a few MB at a time, in one buffer reused by every tile
         (use each before taking the next)."""

@@ -52,6 +52,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def compute_logits_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """compute_logits, and each row's argmax where the head's kernel found it as it multiplied; else None."""
+        if not isinstance(self.lm_head, Linear):
+            return self.compute_logits(hidden), None
+        logits, argmax = self.lm_head.forward_argmax(hidden)
+        return logits.float(), argmax
+
     def hf_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A Hugging Face state dict renamed and fused to this module's parameters."""
         return fuse_hf_weights(weights, self.config)
