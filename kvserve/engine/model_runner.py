@@ -228,7 +228,7 @@ class ModelRunner:
         logits_index = torch.tensor([last[i] - len(batch.seqs[i].draft_token_ids) + j for i in sampling_rows
                                      for j in range(len(batch.seqs[i].draft_token_ids) + 1)], dtype=torch.long)
         prompt_rows = [_prompt_row(i, s, n, int(offsets[i])) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                       if s.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens]
+                       if _scores_prompt(s)]
         backend = self.sdpa if batch.rectangular else self.backend
         ctx = ForwardContext(torch.from_numpy(positions).to(dev), slot_mappings, [g.to(dev) for g in groups], backend,
                              {} if votes is not None else None)
@@ -257,8 +257,12 @@ def _plain_decodes(batch: ScheduledBatch) -> bool:
     """Whether every sequence of the step computes one token of its own, in place (no guesses, KV policy, prompt
     scoring or padding): a decode step's usual case."""
     return not batch.padding and not batch.rectangular and all(
-        n == 1 and not s.draft_token_ids and s.policy is None and (s.prompt_logprobs is None or s.num_computed_tokens >= s.num_prompt_tokens)
-        for s, n in zip(batch.seqs, batch.num_tokens))
+        n == 1 and not s.draft_token_ids and s.policy is None and not _scores_prompt(s) for s, n in zip(batch.seqs, batch.num_tokens))
+
+
+def _scores_prompt(seq: Sequence) -> bool:
+    """Whether the sequence's step scores prompt tokens (prompt_logprobs, while its prompt is being computed)."""
+    return seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens
 
 
 def _collect_votes(inputs: StepInputs, seqs: list[Sequence], num_layers: int) -> dict[Sequence, torch.Tensor]:
