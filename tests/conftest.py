@@ -104,11 +104,15 @@ def parted_at_near_ties(reference: list, outputs: list, margin: float) -> int:
 
 
 def assert_fused_paths_agree(llm: LLM, prompts: list, params, tolerance: float) -> None:
-    """The same requests with the decode steps as one native call for the whole layer stack, as fused native ops per
-    layer, and as modules (the engine put back as it was after each): the first two give the same numbers (the same
-    calls, from C++ instead of Python), the modules the same tokens and logprobs within `tolerance`."""
+    """The same requests with the decode steps as one native call for the whole step (embedding to logits), as one
+    for the layer stack, as fused native ops per layer, and as modules (the engine put back as it was after each):
+    the first three give the same numbers (the same calls, from C++ instead of Python), the modules the same tokens
+    and logprobs within `tolerance`."""
     layers, backend = llm.engine.runner.model.layers, llm.engine.runner.backend
     assert all(layer.fused is not None for layer in layers) and layers[0].fused_rows > 1 and backend.stack is not None
+    assert backend.decode_rows > 1
+    whole = llm.generate(prompts, params, use_tqdm=False)
+    backend.decode_rows, decode_rows = 0, backend.decode_rows
     stacked = llm.generate(prompts, params, use_tqdm=False)
     stack, backend.stack = backend.stack, None
     fused = llm.generate(prompts, params, use_tqdm=False)
@@ -118,9 +122,9 @@ def assert_fused_paths_agree(llm: LLM, prompts: list, params, tolerance: float) 
     modules = llm.generate(prompts, params, use_tqdm=False)
     for layer, n in zip(layers, rows):
         layer.fused_rows = n
-    backend.stack = stack
-    for a, b, c in zip(stacked, fused, modules):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
-        for x, y, z in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, c.outputs[0].logprobs):
-            assert x.logprob == y.logprob and list(x.top) == list(y.top)
+    backend.stack, backend.decode_rows = stack, decode_rows
+    for w, a, b, c in zip(whole, stacked, fused, modules):
+        assert w.outputs[0].token_ids == a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        for v, x, y, z in zip(w.outputs[0].logprobs, a.outputs[0].logprobs, b.outputs[0].logprobs, c.outputs[0].logprobs):
+            assert v.logprob == x.logprob == y.logprob and list(v.top) == list(x.top) == list(y.top)
             assert x.logprob == pytest.approx(z.logprob, abs=tolerance) and list(x.top) == list(z.top)

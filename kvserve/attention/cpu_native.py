@@ -49,6 +49,15 @@ class NativeCPUBackend(SDPABackend):
         for layer in layers:
             g, j = self.cache.slot[layer.self_attn.layer]
             self.stack.add(layer.fused, *self.stores[j], g, rope_kinds.index(layer.self_attn.rope))
+        ends = model.decode_ends()
+        if ends is not None:
+            self.stack.set_ends(*ends[0])
+            self.decode_rows = min(self.stack_rows, ends[1])
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A step of plain decodes (one token each at `positions`, block tables [groups, B, W]) in one native call:
+        the hidden states, the logits and each row's argmax (kernels/decode_layer.cpp: DecodeStack.decode)."""
+        return self.stack.decode(tokens, positions, tables, self.windows, self.cache.block_size)
 
     def run_layers(self, x: torch.Tensor, ctx: ForwardContext, num_layers: int | None) -> torch.Tensor | None:
         if self.stack is None or ctx.step_arguments is None or x.shape[0] > self.stack_rows:

@@ -13,6 +13,7 @@ class SDPABackend:
     # Whether a step's rows never depend on each other (cpu_native's stacked layers, their kernels at every step
     # size): then, with prompt tokens attending as decode queries, a request's numbers are its own (batch_invariant).
     batch_invariant = False
+    decode_rows = 0  # steps of up to this many plain decodes the backend runs whole, from tokens to logits (cpu_native)
 
     def __init__(self, cache: KVCache):
         self.cache = cache

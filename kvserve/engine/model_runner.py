@@ -32,13 +32,15 @@ NO_VOTES = 1 << 30  # a sequence's first voting query when none of its queries v
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
-    ctx: ForwardContext
+    ctx: ForwardContext | None  # None: a step the backend runs whole (its decode), from input_ids, positions and tables
     # flat index of each token whose logits are sampled (a sequence's last, and its guesses'); None: every token, in order
     logits_index: torch.Tensor | None
     sampling_rows: list[int]  # which of the batch's sequences sample (each has 1 + its guesses rows), in order
     # sequences scoring their prompt: (row in the batch, flat index of each scoring token, the prompt token it predicts)
     prompt_rows: list[tuple[int, torch.Tensor, torch.Tensor]]
     group_rows: list[list[int]]  # the batch rows of each query group
+    positions: torch.Tensor | None = None  # a whole step's: each row's position
+    tables: torch.Tensor | None = None  # a whole step's: block tables [groups, B, W]
 
 
 @dataclass(slots=True)
@@ -103,16 +105,8 @@ class ModelRunner:
         self.move_blocks(batch)
         if not batch.seqs:
             return StepOutput([], [], [], None)
-        inputs = self.prepare(batch)
-        if self.graphs is not None and self.graphs.fits(inputs.ctx):
-            hidden = self.graphs.run(inputs.input_ids, inputs.ctx)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.ctx)
-        selected = hidden if inputs.logits_index is None else hidden[inputs.logits_index]
-        if any(seq.params.greedy for seq in batch.seqs):
-            logits, argmax = self.model.compute_logits_argmax(selected)
-        else:
-            logits, argmax = self.model.compute_logits(selected), None
+        inputs = self.prepare(batch, whole=True)
+        hidden, selected, logits, argmax = self._run(inputs, any(seq.params.greedy for seq in batch.seqs))
         self.last_logits = logits
         votes = _collect_votes(inputs, batch.seqs, self.kv_cache.layout.num_layers)
         rows, first = [], 0  # (sequence, logits row, its guesses before that row), one per sample
@@ -153,6 +147,21 @@ class ModelRunner:
                 sampled.prompt[batch.seqs[row]] = score_prompt(part, targets, batch.seqs[row].params)
         return output
 
+    def _run(self, inputs: StepInputs, greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step's hidden states, those of its sampling rows, their logits, and each one's argmax where the head's
+        kernel found it (`greedy`: asked for; None: not found)."""
+        if inputs.ctx is None:  # the backend runs the step whole, in one native call
+            hidden, logits, argmax = self.backend.decode(inputs.input_ids, inputs.positions, inputs.tables)
+            return hidden, hidden, logits, argmax
+        if self.graphs is not None and self.graphs.fits(inputs.ctx):
+            hidden = self.graphs.run(inputs.input_ids, inputs.ctx)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.ctx)
+        selected = hidden if inputs.logits_index is None else hidden[inputs.logits_index]
+        if greedy:
+            return hidden, selected, *self.model.compute_logits_argmax(selected)
+        return hidden, selected, self.model.compute_logits(selected), None
+
     def move_blocks(self, batch: ScheduledBatch) -> None:
         for seq, block_ids in batch.swap_out:
             seq.swapped_kv = self.kv_cache.copy_out(block_ids)
@@ -180,9 +189,11 @@ class ModelRunner:
             with torch.inference_mode():
                 self.kv_cache.pack(pairs)
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """The step's inputs: a step of plain decodes takes a short cut to the same ones."""
-        return self._prepare_decodes(batch) if _plain_decodes(batch) else self._prepare_any(batch)
+    def prepare(self, batch: ScheduledBatch, whole: bool = False) -> StepInputs:
+        """The step's inputs: a step of plain decodes takes a short cut to the same ones. `whole`: where the backend
+        can run such a step whole (one native call, the embedding to the logits), only its tokens, positions and
+        block tables (ctx None)."""
+        return self._prepare_decodes(batch, whole) if _plain_decodes(batch) else self._prepare_any(batch)
 
     def _prepare_any(self, batch: ScheduledBatch) -> StepInputs:
         """The inputs of any step. The index arithmetic runs in NumPy (a decode step's dozens of tiny array ops cost a
@@ -236,20 +247,22 @@ class ModelRunner:
                           [(i, index.to(dev), targets) for i, index, targets in prompt_rows if len(index)],
                           [np.flatnonzero(rows).tolist() for rows in selections])
 
-    def _prepare_decodes(self, batch: ScheduledBatch) -> StepInputs:
+    def _prepare_decodes(self, batch: ScheduledBatch, whole: bool = False) -> StepInputs:
         """prepare's inputs for a step of plain decodes (_plain_decodes), with a fraction of its array work: a batch-1
         step runs this Python on caches its weights just swept, where each NumPy or torch call costs 10-60 us."""
         bs, dev, seqs = self.config.block_size, self.device, batch.seqs
         starts = np.array([s.num_slots for s in seqs])  # each token's position and slot in the cache
-        rows, ones = np.arange(len(seqs)), np.ones(len(seqs), dtype=np.int64)
         tables = _batch_tables(seqs)
+        sampling_rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
+        input_ids = torch.tensor([s.token_ids[s.num_computed_tokens] for s in seqs]).to(dev)
+        if whole and len(sampling_rows) == len(seqs) <= self.backend.decode_rows:
+            return StepInputs(input_ids, None, None, sampling_rows, [], [sampling_rows], torch.from_numpy(starts), torch.from_numpy(tables))
+        rows, ones = np.arange(len(seqs)), np.ones(len(seqs), dtype=np.int64)
         slot_mappings = [torch.from_numpy(t[rows, starts // bs] * bs + starts % bs).to(dev) for t in tables]
         group = _group(ones.astype(bool), starts, ones, rows, tables, bs, self.windows).to(dev)
         group.in_order = True
-        sampling_rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
         logits_index = None if len(sampling_rows) == len(seqs) else torch.tensor(sampling_rows).to(dev)
         ctx = ForwardContext(torch.from_numpy(starts).to(dev), slot_mappings, [group], self.backend)
-        input_ids = torch.tensor([s.token_ids[s.num_computed_tokens] for s in seqs]).to(dev)
         return StepInputs(input_ids, ctx, logits_index, sampling_rows, [], [rows.tolist()])
 
 
@@ -267,7 +280,7 @@ def _scores_prompt(seq: Sequence) -> bool:
 
 def _collect_votes(inputs: StepInputs, seqs: list[Sequence], num_layers: int) -> dict[Sequence, torch.Tensor]:
     """Each voting sequence's votes of this step, [layers, kv heads, keys]."""
-    votes, per_layer = {}, inputs.ctx.votes
+    votes, per_layer = {}, inputs.ctx.votes if inputs.ctx is not None else None
     if not per_layer:
         return votes
     for i, (group, rows) in enumerate(zip(inputs.ctx.groups, inputs.group_rows)):
@@ -280,15 +293,15 @@ def _collect_votes(inputs: StepInputs, seqs: list[Sequence], num_layers: int) ->
     return votes
 
 
-def _batch_tables(seqs: list[Sequence]) -> list[np.ndarray]:
-    """Each group's block tables of the batch, [batch, blocks], padded with block 0; so are the entries of blocks a
+def _batch_tables(seqs: list[Sequence]) -> np.ndarray:
+    """The batch's block tables, [groups, batch, blocks], padded with block 0; so are the entries of blocks a
     sliding group gave back (NULL): attention masks them."""
     if len(seqs) == 1:  # no padding to copy into: ~5 us of a batch-1 step's prepare (ad-hoc)
-        return list(np.maximum(seqs[0].block_tables.ids, 0)[:, None])
+        return np.maximum(seqs[0].block_tables.ids, 0)[:, None]
     tables = np.zeros((len(seqs[0].block_tables.ids), len(seqs), max(len(s.block_tables) for s in seqs)), dtype=np.int64)
     for i, seq in enumerate(seqs):
         tables[:, i, :len(seq.block_tables)] = seq.block_tables.ids
-    return list(np.maximum(tables, 0, out=tables))
+    return np.maximum(tables, 0, out=tables)
 
 
 def _trees(batch: ScheduledBatch, ends: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:

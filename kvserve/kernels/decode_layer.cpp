@@ -279,6 +279,13 @@ struct DecodeStack : torch::CustomClassHolder {
     std::vector<Entry> layers;
     std::vector<at::Tensor> cos_tables, sin_tables;  // per rotary table: [positions, D]
     RowNorm norm;  // the model's final norm
+    // For decode (set_ends): the token embedding (packed rows of embed_type), scaled by embed_scale where that is
+    // not 1, and the LM head.
+    at::Tensor embed;
+    int64_t embed_type = 0;
+    double embed_scale = 1;
+    Linear head;
+    bool head_int8 = false;
 
     // The next layer, its stores (NativeCPUBackend.stores), its KV group and its rotary table's index. A group's
     // layers hold blocks of one pool (the same counts, block size, heads and formats), so a step's block tables and
@@ -301,6 +308,59 @@ struct DecodeStack : torch::CustomClassHolder {
     }
 
     void set_norm(const at::Tensor& weight, double eps) { norm.set(weight, eps); }
+
+    // The embedding and the head, for decode (after set_norm, whose width they must have).
+    void set_ends(const at::Tensor& embedding, int64_t type, double scale, std::vector<at::Tensor> head_parts,
+                  std::vector<int64_t> head_types, bool int8_activations) {
+        TORCH_CHECK(norm.weight.defined(), "set_ends comes after set_norm");
+        const int64_t H = norm.weight.numel();
+        TORCH_CHECK(embedding.dim() == 2 && embedding.device().is_cpu() && embedding.scalar_type() == at::kByte &&
+                    embedding.size(1) == kvq::checked_layout(type, H).row_bytes, "the embedding must be packed rows of ", H, " on the CPU");
+        head = Linear(head_parts, head_types, c10::nullopt);
+        TORCH_CHECK(head.parts.size() == 1, "the head must be one packed part (its argmax is found as its outputs land)");
+        head.check(H);
+        embed = embedding.contiguous(), embed_type = type, embed_scale = scale, head_int8 = int8_activations;
+    }
+
+    // A step of B decoding rows whole: each row's token embedded, every layer, the final norm and the head, each
+    // row's argmax found as the head's outputs land. Per KV group g, tables[g] holds the rows' block tables [B, W]
+    // (entries a sliding group gave back may be any block: they lie before its window, never read); each row's
+    // context is its position + 1 tokens and its new K/V go to its position's slot. Returns the hidden states
+    // [B, H], the logits [B, V] and the argmax [B].
+    std::tuple<at::Tensor, at::Tensor, at::Tensor> decode(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& tables,
+                                                          const std::vector<int64_t>& windows, int64_t block_size) {
+        TORCH_CHECK(embed.defined(), "decode needs the embedding and the head (set_ends)");
+        TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && tables.scalar_type() == at::kLong &&
+                    tokens.dim() == 1 && positions.sizes() == tokens.sizes() && tables.dim() == 3 && tables.size(1) == tokens.size(0),
+                    "decode takes int64 tokens [B], positions [B] and block tables [groups, B, W]");
+        const int64_t B = tokens.size(0), H = norm.weight.numel(), G = tables.size(0), W = tables.size(2), V = embed.size(0);
+        const at::Tensor ids = tokens.contiguous(), pos = positions.contiguous(), table = tables.contiguous();
+        const auto opts = pos.options();
+        at::Tensor x = at::empty({B, H}, embed.options().dtype(at::kFloat));
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t t = ids.data_ptr<int64_t>()[b];
+            TORCH_CHECK(t >= 0 && t < V, "token id ", t, " is past the embedding's ", V, " rows");
+            float* row = x.data_ptr<float>() + b * H;
+            kvq::dequantize_f32(int(embed_type), embed.data_ptr<uint8_t>(), kvq::layout(int(embed_type), H), V, t, t + 1, row);
+            if (embed_scale != 1)
+                for (int64_t i = 0; i < H; ++i) row[i] *= float(embed_scale);
+        }
+        std::vector<at::Tensor> group_tables, lens, slots;
+        for (int64_t g = 0; g < G; ++g) {
+            group_tables.push_back(table[g]), lens.push_back(at::empty({B}, opts)), slots.push_back(at::empty({B}, opts));
+            for (int64_t b = 0; b < B; ++b) {
+                const int64_t p = pos.data_ptr<int64_t>()[b];
+                TORCH_CHECK(block_size > 0 && p >= 0 && p / block_size < W, "position ", p, " lies past the block table's ", W, " blocks");
+                lens.back().data_ptr<int64_t>()[b] = p + 1;
+                slots.back().data_ptr<int64_t>()[b] = table.data_ptr<int64_t>()[(g * B + b) * W + p / block_size] * block_size + p % block_size;
+            }
+        }
+        at::Tensor y = forward(x, pos, group_tables, lens, windows, slots, int64_t(layers.size()), c10::nullopt);
+        at::Tensor logits = at::empty({B, head.out}, x.options()), argmax = at::empty({B}, opts);
+        kvq::matmul(head.types[0], y.data_ptr<float>(), B, H, head.parts[0], head.out, head_int8, logits.data_ptr<float>(), head.out,
+                    argmax.data_ptr<int64_t>());
+        return {y, logits, argmax};
+    }
 
     // The first num_layers layers over x, then the final norm; the rotary tables' rows at `positions` [T]; per KV
     // group the step's block tables, context lengths, window and slots (checked against the group's pool); the keys each row skips (kva::attend; None: none).
@@ -432,7 +492,9 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         .def("add", &DecodeStack::add)
         .def("add_rope", &DecodeStack::add_rope)
         .def("set_norm", &DecodeStack::set_norm)
-        .def("forward", &DecodeStack::forward);
+        .def("set_ends", &DecodeStack::set_ends)
+        .def("forward", &DecodeStack::forward)
+        .def("decode", &DecodeStack::decode);
     m.class_<FeatureDraft>("FeatureDraft")
         .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, std::vector<at::Tensor>, std::vector<int64_t>,
                          std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, std::vector<at::Tensor>, std::vector<int64_t>,

@@ -19,6 +19,8 @@ from kvserve.layers.rotary import RotaryEmbedding
 class CausalLM(nn.Module):
     """Subclasses build `embed_tokens`, `layers` (each called as layer(x, rope, ctx)), `norm` and `lm_head`."""
 
+    embed_scale = 1.0  # what the embedding's rows are multiplied by (Gemma's sqrt(hidden))
+
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.config = config
@@ -34,7 +36,8 @@ class CausalLM(nn.Module):
         return {}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale == 1 else x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] for the step's flattened tokens (after the first num_layers layers: a
@@ -58,6 +61,17 @@ class CausalLM(nn.Module):
             return self.compute_logits(hidden), None
         logits, argmax = self.lm_head.forward_argmax(hidden)
         return logits.float(), argmax
+
+    def decode_ends(self) -> tuple[tuple, int] | None:
+        """The embedding and the LM head as a native decode step takes them (kernels/decode_layer.cpp:
+        DecodeStack.set_ends), and the most rows the head multiplies in place; None unless the head is one packed
+        weight without bias and the embedding packed rows of one type."""
+        head, embed = self.lm_head, self.embed_tokens
+        if type(head) is not Linear or head.bias is not None or not all(w is not None and len(w.parts) == 1
+                                                                      for w in (head.qweight, embed.qweight)):
+            return None
+        (rows,), (type_id,) = embed.qweight.kernel_args
+        return (rows, type_id, self.embed_scale, *head.qweight.kernel_args, head.int8_activations), head.kernel_rows
 
     def hf_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A Hugging Face state dict renamed and fused to this module's parameters."""

@@ -47,9 +47,5 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 "attention_scale": cfg.get("query_pre_attn_scalar", cfg.get("head_dim", 256)) ** -0.5,
                 "local_rope_theta": float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))}
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
-
     def hf_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: w + 1 if "norm" in name else w for name, w in super().hf_state_dict(weights).items()}

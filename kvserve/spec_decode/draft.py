@@ -179,5 +179,8 @@ class FirstLayers(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)
 
+    def decode_ends(self) -> tuple[tuple, int] | None:
+        return self.target.decode_ends()
+
     def compute_logits_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.target.compute_logits_argmax(hidden)
