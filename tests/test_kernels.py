@@ -311,13 +311,15 @@ def test_fused_decode_layers_give_the_module_paths_logits(matmul_dtype):
         stack.forward(x, torch.tensor([0]), [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([10**9])], len(layers), None)
     with pytest.raises(RuntimeError, match="position 1000000000 is past the rotary tables"):
         stack.forward(x, torch.tensor([10**9]), [torch.tensor([[0]])], [torch.tensor([1])], [0], [torch.tensor([0])], len(layers), None)
-    table, bs = torch.zeros(1, 1, 1, dtype=torch.long), llm.engine.runner.kv_cache.block_size
+    whole, table, bs = llm.engine.runner.backend.whole, np.zeros((1, 1, 1), dtype=np.int64), llm.engine.runner.kv_cache.block_size
     with pytest.raises(RuntimeError, match="token id 49152 is past the embedding's 49152 rows"):
-        stack.decode(torch.tensor([49152]), torch.tensor([0]), table, [0], bs)
+        whole.decode([49152], [0], table)
     with pytest.raises(RuntimeError, match=f"position {bs} lies past the block table's 1 blocks"):
-        stack.decode(torch.tensor([1]), torch.tensor([bs]), table, [0], bs)
+        whole.decode([1], [bs], table)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        stack.decode(torch.tensor([1]), torch.tensor([0]), table + 10**9, [0], bs)
+        whole.decode([1], [0], table + 10**9)
+    with pytest.raises(RuntimeError, match=r"a token and a position per row and block tables \[1 groups"):
+        whole.decode([1, 2], [0, 0], table)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8_e4m3"])

@@ -4,11 +4,12 @@ queries too: engine/model_runner.py). A step of decodes alone writes its new K/V
 float, fp8, int8 or int4 cache."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvserve.attention import ForwardContext, QueryGroup
 from kvserve.attention.sdpa import SDPABackend
-from kvserve.kernels import native_ops
+from kvserve.kernels import native_module, native_ops
 from kvserve.kv.cache import KVCache
 from kvserve.kv.formats.fp8 import FP8Format
 from kvserve.kv.formats.full import FloatFormat
@@ -31,7 +32,7 @@ class NativeCPUBackend(SDPABackend):
         written = layout.residual_format if residual else layout.k_format  # the format new tokens land in
         native = lambda f: isinstance(f, FloatFormat | FP8Format) or f in (INT8, INT4)  # noqa: E731  formats the kernel writes itself
         self.writes = native(written) and (residual or native(layout.v_format))
-        self.stack, self.stack_rows, self.stack_depth = None, 0, 0
+        self.stack, self.stack_rows, self.stack_depth, self.whole = None, 0, 0, None
 
     def stack_layers(self, model: torch.nn.Module) -> None:
         """Bind a model's fused decoder layers (models/llama.py: DecoderLayer.fuse), all of them, to their stores,
@@ -52,12 +53,13 @@ class NativeCPUBackend(SDPABackend):
         ends = model.decode_ends()
         if ends is not None:
             self.stack.set_ends(*ends[0])
+            self.whole = native_module().WholeStep(self.stack, self.windows, self.cache.block_size)
             self.decode_rows = min(self.stack_rows, ends[1])
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A step of plain decodes (one token each at `positions`, block tables [groups, B, W]) in one native call:
-        the hidden states, the logits and each row's argmax (kernels/decode_layer.cpp: DecodeStack.decode)."""
-        return self.stack.decode(tokens, positions, tables, self.windows, self.cache.block_size)
+    def decode(self, tokens: list[int], positions: list[int], tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step of plain decodes (each row's token and position, block tables [groups, B, W]) in one native call:
+        the hidden states, the logits and each row's argmax (kernels/decode_layer.cpp: WholeStep)."""
+        return self.whole.decode(tokens, positions, tables)
 
     def run_layers(self, x: torch.Tensor, ctx: ForwardContext, num_layers: int | None) -> torch.Tensor | None:
         if self.stack is None or ctx.step_arguments is None or x.shape[0] > self.stack_rows:

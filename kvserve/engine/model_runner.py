@@ -31,16 +31,16 @@ NO_VOTES = 1 << 30  # a sequence's first voting query when none of its queries v
 
 @dataclass(slots=True)
 class StepInputs:
-    input_ids: torch.Tensor
-    ctx: ForwardContext | None  # None: a step the backend runs whole (its decode), from input_ids, positions and tables
+    input_ids: torch.Tensor | None  # None: a step the backend runs whole (`whole`)
+    ctx: ForwardContext | None
     # flat index of each token whose logits are sampled (a sequence's last, and its guesses'); None: every token, in order
     logits_index: torch.Tensor | None
     sampling_rows: list[int]  # which of the batch's sequences sample (each has 1 + its guesses rows), in order
     # sequences scoring their prompt: (row in the batch, flat index of each scoring token, the prompt token it predicts)
     prompt_rows: list[tuple[int, torch.Tensor, torch.Tensor]]
     group_rows: list[list[int]]  # the batch rows of each query group
-    positions: torch.Tensor | None = None  # a whole step's: each row's position
-    tables: torch.Tensor | None = None  # a whole step's: block tables [groups, B, W]
+    # a step of plain decodes the backend runs whole (its decode): each row's token and position, the block tables
+    whole: tuple[list[int], list[int], np.ndarray] | None = None
 
 
 @dataclass(slots=True)
@@ -150,8 +150,8 @@ class ModelRunner:
     def _run(self, inputs: StepInputs, greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The step's hidden states, those of its sampling rows, their logits, and each one's argmax where the head's
         kernel found it (`greedy`: asked for; None: not found)."""
-        if inputs.ctx is None:  # the backend runs the step whole, in one native call
-            hidden, logits, argmax = self.backend.decode(inputs.input_ids, inputs.positions, inputs.tables)
+        if inputs.whole is not None:
+            hidden, logits, argmax = self.backend.decode(*inputs.whole)
             return hidden, hidden, logits, argmax
         if self.graphs is not None and self.graphs.fits(inputs.ctx):
             hidden = self.graphs.run(inputs.input_ids, inputs.ctx)
@@ -192,7 +192,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, whole: bool = False) -> StepInputs:
         """The step's inputs: a step of plain decodes takes a short cut to the same ones. `whole`: where the backend
         can run such a step whole (one native call, the embedding to the logits), only its tokens, positions and
-        block tables (ctx None)."""
+        block tables (StepInputs.whole)."""
         return self._prepare_decodes(batch, whole) if _plain_decodes(batch) else self._prepare_any(batch)
 
     def _prepare_any(self, batch: ScheduledBatch) -> StepInputs:
@@ -251,12 +251,12 @@ class ModelRunner:
         """prepare's inputs for a step of plain decodes (_plain_decodes), with a fraction of its array work: a batch-1
         step runs this Python on caches its weights just swept, where each NumPy or torch call costs 10-60 us."""
         bs, dev, seqs = self.config.block_size, self.device, batch.seqs
-        starts = np.array([s.num_slots for s in seqs])  # each token's position and slot in the cache
+        tokens, starts = [s.token_ids[s.num_computed_tokens] for s in seqs], [s.num_slots for s in seqs]
         tables = _batch_tables(seqs)
         sampling_rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
-        input_ids = torch.tensor([s.token_ids[s.num_computed_tokens] for s in seqs]).to(dev)
-        if whole and len(sampling_rows) == len(seqs) <= self.backend.decode_rows:
-            return StepInputs(input_ids, None, None, sampling_rows, [], [sampling_rows], torch.from_numpy(starts), torch.from_numpy(tables))
+        if whole and len(sampling_rows) == len(seqs) <= self.backend.decode_rows:  # no torch or NumPy calls beyond the tables
+            return StepInputs(None, None, None, sampling_rows, [], [sampling_rows], (tokens, starts, tables))
+        input_ids, starts = torch.tensor(tokens).to(dev), np.array(starts)  # each token's position and slot in the cache
         rows, ones = np.arange(len(seqs)), np.ones(len(seqs), dtype=np.int64)
         slot_mappings = [torch.from_numpy(t[rows, starts // bs] * bs + starts % bs).to(dev) for t in tables]
         group = _group(ones.astype(bool), starts, ones, rows, tables, bs, self.windows).to(dev)

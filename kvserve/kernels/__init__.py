@@ -4,7 +4,8 @@ torch's cpp_extension, which caches the build.
 They register as torch ops under torch.ops.kvserve: gguf_pack, gguf_select, gguf_rows, gguf_dequantize, gguf_matmul, kernel_isa,
 set_kernel_isa, kernel_seconds, paged_decode_attention, rms_norm, rope_, silu_and_mul; and the classes
 torch.classes.kvserve.DecodeLayer (a Llama-family decoder layer for decode steps), DecodeStack (a model's
-DecoderLayers bound to their KV stores, run in one call) and FeatureDraft (an EAGLE-style draft's guesses in one call).
+DecoderLayers bound to their KV stores, run in one call) and FeatureDraft (an EAGLE-style draft's guesses in one call);
+and, in its Python module (native_module), WholeStep: a DecodeStack's whole decode step as a plain pybind11 call.
 """
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ def triton_ops():
 @functools.cache
 def native_ops():
     """The `torch.ops.kvserve` namespace, or None where the kernels cannot be built (callers use plain torch)."""
+    return None if native_module() is None else torch.ops.kvserve
+
+
+@functools.cache
+def native_module():
+    """The kernels' Python module (its pybind11 classes: WholeStep), or None where they cannot be built. Loading it
+    registers the torch ops and classes."""
     if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     try:
@@ -41,9 +49,8 @@ def native_ops():
         here = Path(__file__).parent
         # torch's build cache hashes the sources only; the name carries every file's digest, headers included
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(here.glob("*.[ch]*")))).hexdigest()[:12]
-        load(name=f"kvserve_kernels_{digest}", sources=[str(here / s) for s in SOURCES], is_python_module=False,
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
-        return torch.ops.kvserve
+        return load(name=f"kvserve_kernels_{digest}", sources=[str(here / s) for s in SOURCES], is_python_module=True,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler or headers: slower, never wrong
         logger.warning("kvserve kernels unavailable (%s); using plain torch", e)
         return None
