@@ -75,3 +75,20 @@ def test_a_stream_interval_sends_each_requests_steps_merged_and_they_rebuild_its
     for request_id, steps in held.items():
         assert sum(steps) == made[request_id] > 12
         assert steps[0] == 1 and set(steps[1:-1]) == {4} and 1 <= steps[-1] <= 4, steps
+
+
+def test_the_engine_core_returns_quietly_when_the_http_process_is_gone(smollm2):
+    """The HTTP process ends mid-stream (a server stopped under load): the engine core's next send finds the events
+    pipe closed, and its loop returns instead of dying with a BrokenPipeError traceback."""
+    engine = smollm2.engine
+    (commands_in, commands_out), (events_in, events_out) = multiprocessing.Pipe(duplex=False), multiprocessing.Pipe(duplex=False)
+    core = EngineCore(engine, commands_in, events_out, max_waiting=8)  # commands_out held open: no command, no EOF
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True), request_id="orphaned")
+    events_in.close()
+    try:
+        core.run()
+        assert engine.has_unfinished_requests()  # it stopped at the first send, after one step
+    finally:
+        commands_out.close()
+        engine.abort_request("orphaned")
+    assert not engine.has_unfinished_requests()

@@ -118,17 +118,21 @@ class EngineCore:
         self._arrived.register(commands.fileno(), select.POLLIN)
 
     def run(self) -> None:
+        """Serve until told to stop or the HTTP process is gone (its pipes closed, mid-step too)."""
         engine = self.engine
-        while self._handle_commands(block=not engine.has_unfinished_requests()):
-            if not engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = engine.step()
-            except Exception as e:  # a bug must fail the requests in flight, not kill the server
-                log.exception("engine step failed")
-                self._fail_all(e)
-                continue
-            self._send_step(outputs)
+        try:
+            while self._handle_commands(block=not engine.has_unfinished_requests()):
+                if not engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # a bug must fail the requests in flight, not kill the server
+                    log.exception("engine step failed")
+                    self._fail_all(e)
+                    continue
+                self._send_step(outputs)
+        except BrokenPipeError:  # a step's outputs sent after the HTTP process ended (a server stopped mid-stream)
+            return
 
     def _handle_commands(self, block: bool) -> bool:
         """Handle what has come (when idle, wait for something); False once told to stop or the other end is gone."""
