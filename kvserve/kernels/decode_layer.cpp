@@ -75,6 +75,12 @@ void check_rows(const at::Tensor& x, const char* name) {
                 " must be contiguous fp32 [T, width] on the CPU");
 }
 
+// Row `token` of a packed embedding [V, row bytes] of GGUF type `type`, H values, dequantized into `out`.
+void embedding_row(const at::Tensor& embed, int64_t type, int64_t H, int64_t token, float* out) {
+    TORCH_CHECK(token >= 0 && token < embed.size(0), "token id ", token, " is past the embedding's ", embed.size(0), " rows");
+    kvq::dequantize_f32(int(type), embed.data_ptr<uint8_t>(), kvq::layout(int(type), H), embed.size(0), token, token + 1, out);
+}
+
 struct DecodeLayer;
 
 // A decode step's arguments, checked and contiguous: x [T, H]; per rotary table cos/sin [T, D]; per KV group the
@@ -334,13 +340,12 @@ struct DecodeStack : torch::CustomClassHolder {
     std::tuple<at::Tensor, at::Tensor, at::Tensor> decode(const int64_t* tokens, const int64_t* positions, int64_t B, const int64_t* tables,
                                                           int64_t G, int64_t W, const std::vector<int64_t>& windows, int64_t block_size) {
         TORCH_CHECK(embed.defined(), "decode needs the embedding and the head (set_ends)");
-        const int64_t H = norm.weight.numel(), V = embed.size(0);
+        const int64_t H = norm.weight.numel();
         const auto opts = embed.options().dtype(at::kLong);
         at::Tensor x = at::empty({B, H}, embed.options().dtype(at::kFloat));
         for (int64_t b = 0; b < B; ++b) {
-            TORCH_CHECK(tokens[b] >= 0 && tokens[b] < V, "token id ", tokens[b], " is past the embedding's ", V, " rows");
             float* row = x.data_ptr<float>() + b * H;
-            kvq::dequantize_f32(int(embed_type), embed.data_ptr<uint8_t>(), kvq::layout(int(embed_type), H), V, tokens[b], tokens[b] + 1, row);
+            embedding_row(embed, embed_type, H, tokens[b], row);
             if (embed_scale != 1)
                 for (int64_t i = 0; i < H; ++i) row[i] *= float(embed_scale);
         }
@@ -439,15 +444,12 @@ struct FeatureDraft : torch::CustomClassHolder {
                     "propose takes [B] token ids, [B, ", H, "] hidden states, k >= 1 and 1 <= width <= ", V);
         const at::Tensor first = tokens.contiguous();
         at::Tensor out = at::empty({B, K}, first.options());
-        const kvq::Layout rows = kvq::layout(int(embed_type), H);
         std::vector<float> in(B * 2 * H), x(B * H), h(B * H), logits(B * V);
         int64_t* guess = out.data_ptr<int64_t>();
         for (int64_t b = 0; b < B; ++b) std::copy_n(features.data_ptr<float>() + b * H, H, in.data() + b * 2 * H + H);
         for (int64_t step = 0; step < k; ++step) {
             for (int64_t b = 0; b < B; ++b) {
-                const int64_t token = step == 0 ? first.data_ptr<int64_t>()[b] : guess[b * K + step - 1];
-                TORCH_CHECK(token >= 0 && token < embed.size(0), "token id ", token, " is past the embedding's ", embed.size(0), " rows");
-                kvq::dequantize_f32(int(embed_type), embed.data_ptr<uint8_t>(), rows, embed.size(0), token, token + 1, in.data() + b * 2 * H);
+                embedding_row(embed, embed_type, H, step == 0 ? first.data_ptr<int64_t>()[b] : guess[b * K + step - 1], in.data() + b * 2 * H);
             }
             fc.apply(in.data(), B, 2 * H, int8, x.data());
             mlp_rows(x.data(), B, H, norm, eps, gate_up, down, int8, false, RowNorm{});
