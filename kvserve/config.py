@@ -177,7 +177,8 @@ class EngineConfig:
     # ~4x the FLOP/s on CPUs with AVX512-BF16 or AMX); "auto" does so on such CPUs; both multiply a GGUF file's
     # own blocks by int8-quantized activations (per 32 values, as llama.cpp does); "float32" is fp32 throughout.
     matmul_dtype: str = "auto"
-    # How K and V are stored (kvserve.kv.formats): "auto" is float16 with bf16 matmuls, else the model's dtype;
+    # How K and V are stored (kvserve.kv.formats): "auto" is float16 unless the matmuls are fp32 (bf16, or a GGUF
+    # file's int8 ones: see kv_dtypes), else the model's dtype;
     # cache_type_k / cache_type_v set one of them apart. kivi2 keeps each request's newest kivi_residual tokens in
     # 16-bit floats (residual_dtype).
     kv_cache_dtype: str = "auto"
@@ -251,6 +252,15 @@ class EngineConfig:
         return self.matmul_dtype == "bfloat16" or auto
 
     @property
+    def int8_matmuls(self) -> bool:
+        """Whether a GGUF model's linear layers multiply its packed blocks by int8 activations (the CPU kernels,
+        where the runner finds them built; see matmul_dtype)."""
+        from kvserve.models.registry import is_gguf
+
+        cpu_kernels = self.native_kernels and self.dtype == "float32" and self.torch_device.type == "cpu"
+        return cpu_kernels and self.matmul_dtype != "float32" and is_gguf(self.model)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         import torch
 
@@ -264,9 +274,10 @@ class EngineConfig:
 
     @property
     def kv_dtypes(self) -> tuple[str, str]:
-        """The KV cache dtypes of K and V, "auto" resolved: float16 where the linear layers already multiply in bf16
-        (as llama.cpp's default cache: half the bytes, perplexity unchanged to 0.01%), else the model's dtype."""
-        auto = "float16" if self.bf16_matmuls else self.dtype
+        """The KV cache dtypes of K and V, "auto" resolved: float16 where the linear layers do not multiply in fp32
+        (bf16, or int8 activations against a GGUF file's blocks), as llama.cpp's default cache: half the bytes,
+        perplexity unchanged to 0.01%; else the model's dtype."""
+        auto = "float16" if self.bf16_matmuls or self.int8_matmuls else self.dtype
         resolve = lambda name: auto if name == "auto" else name  # noqa: E731
         base = self.kv_cache_dtype
         return resolve(self.cache_type_k or base), resolve(self.cache_type_v or base)

@@ -46,6 +46,12 @@ BUILTIN_MODELS = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
+def is_gguf(model: str) -> bool:
+    """Whether a model argument names a GGUF file (a built-in one or a path), without resolving it."""
+    entry = BUILTIN_MODELS.get(model)
+    return (entry.filename if entry else model).endswith(".gguf")
+
+
 def resolve_model_path(model: str) -> Path:
     """A built-in name, a .gguf file or a Hugging Face model directory -> the path to load."""
     if model in BUILTIN_MODELS:
