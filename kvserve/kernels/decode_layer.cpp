@@ -65,8 +65,9 @@ struct Linear {
             col += rows[i];
         }
         if (bias)
-            for (int64_t t = 0; t < T; ++t)
+            kvp::for_rows(T, [&](int64_t t) {
                 for (int64_t n = 0; n < out; ++n) y[t * out + n] += bias[n];
+            });
     }
 };
 
@@ -131,7 +132,8 @@ struct RowNorm {
 
     void apply(float* rows, int64_t count, int64_t n, int64_t stride) const {
         if (!weight.defined()) return;
-        for (int64_t r = 0; r < count; ++r) kvp::rms_norm_row(rows + r * stride, weight.data_ptr<float>(), n, float(eps), rows + r * stride);
+        const float* w = weight.data_ptr<float>();
+        kvp::for_rows(count, [&](int64_t r) { kvp::rms_norm_row(rows + r * stride, w, n, float(eps), rows + r * stride); });
     }
 };
 
@@ -142,15 +144,19 @@ void mlp_rows(float* y, int64_t T, int64_t H, const at::Tensor& norm, double eps
     const int64_t I = gate_up.out / 2;
     thread_local std::vector<float> h, gu, act, proj;
     h.resize(T * H), gu.resize(T * 2 * I), act.resize(T * I), proj.resize(T * H);
-    for (int64_t t = 0; t < T; ++t) kvp::rms_norm_row(y + t * H, norm.data_ptr<float>(), H, float(eps), h.data() + t * H);
-    gate_up.apply(h.data(), T, H, int8, gu.data());
-    for (int64_t t = 0; t < T; ++t) {
-        const float* g = gu.data() + t * 2 * I;
-        gelu ? kvp::gelu_tanh_mul_row(g, g + I, I, act.data() + t * I) : kvp::silu_mul_row(g, g + I, I, act.data() + t * I);
-    }
-    down.apply(act.data(), T, I, int8, proj.data());
-    out_norm.apply(proj.data(), T, H, H);
-    for (int64_t i = 0; i < T * H; ++i) y[i] += proj[i];
+    float *hp = h.data(), *gp = gu.data(), *ap = act.data(), *pp = proj.data();  // this thread's buffers, for the workers
+    const float* w = norm.data_ptr<float>();
+    kvp::for_rows(T, [&](int64_t t) { kvp::rms_norm_row(y + t * H, w, H, float(eps), hp + t * H); });
+    gate_up.apply(hp, T, H, int8, gp);
+    kvp::for_rows(T, [&](int64_t t) {
+        const float* g = gp + t * 2 * I;
+        gelu ? kvp::gelu_tanh_mul_row(g, g + I, I, ap + t * I) : kvp::silu_mul_row(g, g + I, I, ap + t * I);
+    });
+    down.apply(ap, T, I, int8, pp);
+    out_norm.apply(pp, T, H, H);
+    kvp::for_rows(T, [&](int64_t t) {
+        for (int64_t i = t * H; i < (t + 1) * H; ++i) y[i] += pp[i];
+    });
 }
 
 // One layer's weights, set once; `pre` and `post` run around the backend's attention, `forward` runs attention too
@@ -201,13 +207,15 @@ struct DecodeLayer : torch::CustomClassHolder {
     void pre_rows(const float* x, int64_t T, int64_t H, const float* cos, const float* sin, int64_t D, float* out) const {
         thread_local std::vector<float> h;
         h.resize(T * H);
-        for (int64_t t = 0; t < T; ++t) kvp::rms_norm_row(x + t * H, norm1.data_ptr<float>(), H, float(eps1), h.data() + t * H);
-        qkv.apply(h.data(), T, H, int8, out);
-        for (int64_t t = 0; t < T; ++t) {
+        float* hp = h.data();  // this thread's buffer, for the workers
+        const float* w = norm1.data_ptr<float>();
+        kvp::for_rows(T, [&](int64_t t) { kvp::rms_norm_row(x + t * H, w, H, float(eps1), hp + t * H); });
+        qkv.apply(hp, T, H, int8, out);
+        kvp::for_rows(T, [&](int64_t t) {
             float* row = out + t * qkv.out;
             q_norm.apply(row, heads, D, D), k_norm.apply(row + heads * D, kv_heads, D, D);
             for (int64_t head = 0; head < heads + kv_heads; ++head) kvp::rope_head(row + head * D, cos + t * D, sin + t * D, D);
-        }
+        });
     }
 
     // y = x + o(attn); y + down(act(gate(n)) * up(n)) with n = rms_norm(y), for attn [T, A] (each output normed first
@@ -215,9 +223,12 @@ struct DecodeLayer : torch::CustomClassHolder {
     void post_rows(const float* x, const float* attn, int64_t T, int64_t H, int64_t A, float* y) const {
         thread_local std::vector<float> proj;
         proj.resize(T * H);
-        o.apply(attn, T, A, int8, proj.data());
-        attn_out_norm.apply(proj.data(), T, H, H);
-        for (int64_t i = 0; i < T * H; ++i) y[i] = x[i] + proj[i];
+        float* pp = proj.data();  // this thread's buffer, for the workers
+        o.apply(attn, T, A, int8, pp);
+        attn_out_norm.apply(pp, T, H, H);
+        kvp::for_rows(T, [&](int64_t t) {
+            for (int64_t i = t * H; i < (t + 1) * H; ++i) y[i] = x[i] + pp[i];
+        });
         mlp_rows(y, T, H, norm2, eps2, gate_up, down, int8, gelu, mlp_out_norm);
     }
 

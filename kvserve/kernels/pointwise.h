@@ -1,6 +1,7 @@
 // The decode step's small fp32 row operations, shared by their own ops (pointwise.cpp) and the fused decoder
 // layer ops (decode_layer.cpp).
 #pragma once
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -9,6 +10,17 @@
 #include "simd.h"
 
 namespace kvp {
+
+// f(t) for each row t < T, the rows shared among the threads where there are enough of them (a prompt chunk's
+// norms, RoPE and activations ran on one thread while the other waited; a decode step's few rows stay on the
+// caller's). Each row's arithmetic is its own, so the numbers do not depend on the split. f runs on the workers:
+// it must not reach the caller's thread_local buffers by name.
+template <typename F>
+inline void for_rows(int64_t T, const F& f, int64_t grain = 8) {
+    at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) f(t);
+    });
+}
 
 // out = x / rms(x) * w over n values. The sum of squares runs in four 8-wide chains: one scalar chain of n
 // dependent adds took ~1 us a norm, two norms a layer, on a decode step's critical path.
