@@ -342,13 +342,14 @@ inline Scales8 unit_scales(const uint8_t* p, const Layout& L, int h, __m256 d, _
 // codes are unpacked once, then each row's dot products are summed in turn (few vectors live at once: with every
 // row's sums interleaved, the compiler spilled them to the stack; one process, both builds: 3.5-5% faster).
 template <int TYPE, int R>
-void panel_int8_avx2(const uint8_t* panel, const Layout& L, const Activations& a, int64_t r0, int h, float* out, int64_t ldo) {
+void panel_int8_avx2(const uint8_t* panel, const Layout& L, const Activations& a, int64_t r0, int h, bool fetch, float* out, int64_t ldo) {
     constexpr Info t = info(TYPE);
     __m256 acc[R], d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < L.units; ++u) {
         const uint8_t* p = panel + L.unit_at(u);
-        for (int64_t b = 0; b < L.unit_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD + b), _MM_HINT_T0);
+        if (fetch)
+            for (int64_t b = 0; b < L.unit_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD + b), _MM_HINT_T0);
         if (t.kquant && u % 8 == 0) block_scales<TYPE>(p, L, h, &d, &dmin);
         __m256i lo[4], hi[4];
         for (int j = 0; j < 4; ++j) {
@@ -476,11 +477,12 @@ void panels_int8_avx2(const Activations& a, const uint8_t* w, const Layout& L, i
                 for (int64_t r = r0; r < std::min(M, r0 + block); r += 4) {
                     const uint8_t* panel = w + p * L.panel_bytes();
                     float* o = out + r * ldo + PANEL * p;
+                    const bool fetch = r == r0;  // the block's first rows ask for the bytes ahead; the panel is then in L1
                     switch (std::min<int64_t>(4, M - r)) {
-                        case 4: panel_int8_avx2<TYPE, 4>(panel, L, a, r, h, o, ldo); break;
-                        case 3: panel_int8_avx2<TYPE, 3>(panel, L, a, r, h, o, ldo); break;
-                        case 2: panel_int8_avx2<TYPE, 2>(panel, L, a, r, h, o, ldo); break;
-                        default: panel_int8_avx2<TYPE, 1>(panel, L, a, r, h, o, ldo); break;
+                        case 4: panel_int8_avx2<TYPE, 4>(panel, L, a, r, h, fetch, o, ldo); break;
+                        case 3: panel_int8_avx2<TYPE, 3>(panel, L, a, r, h, fetch, o, ldo); break;
+                        case 2: panel_int8_avx2<TYPE, 2>(panel, L, a, r, h, fetch, o, ldo); break;
+                        default: panel_int8_avx2<TYPE, 1>(panel, L, a, r, h, fetch, o, ldo); break;
                     }
                 }
 }

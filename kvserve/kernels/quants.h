@@ -82,11 +82,14 @@ constexpr int64_t AHEAD = 4096;  // the kernels ask for a panel's bytes this far
 struct Layout {
     int64_t K, units, groups, supers;
     int64_t codes, hi1, hi2, scales, super_scales, mins, super_mins, row_bytes;
-    int64_t block_units, header, unit_bytes, p_hi1, p_hi2, p_scales, p_mins;
+    int64_t block_units, block_shift, header, unit_bytes, p_hi1, p_hi2, p_scales, p_mins;
 
     int64_t panel_bytes() const { return PANEL * row_bytes; }
-    // where unit u of a panel starts (its block's header lies `header` bytes before its first unit)
-    int64_t unit_at(int64_t u) const { return (u / block_units) * (header + block_units * unit_bytes) + header + (u % block_units) * unit_bytes; }
+    // where unit u of a panel starts (its block's header lies `header` bytes before its first unit); a block's units
+    // are 1 or 8, so a shift and a mask, not the division that sat on the panel kernels' path once a unit
+    int64_t unit_at(int64_t u) const {
+        return (u >> block_shift) * (header + block_units * unit_bytes) + header + (u & (block_units - 1)) * unit_bytes;
+    }
 };
 
 inline Layout layout(int type, int64_t K) {
@@ -102,7 +105,7 @@ inline Layout layout(int type, int64_t K) {
     if (t.min) L.mins = at, at += t.kquant ? L.units : 2 * L.units;
     if (t.min && t.kquant) L.super_mins = at, at += 2 * L.supers;
     L.row_bytes = at;
-    L.block_units = t.block_weights / 32;
+    L.block_units = t.block_weights / 32, L.block_shift = __builtin_ctzll(uint64_t(L.block_units));
     L.header = t.kquant ? (t.min ? 64 : 32) : 0;
     at = t.bits == 8 ? 512 : 256;
     if (t.bits == 5 || t.bits == 6) L.p_hi1 = at, at += 64;
