@@ -110,6 +110,63 @@ void query_scores(const float* q, const T* k, const int64_t* rows, int64_t L, in
     for (; t < L; ++t) scores[t] = hsum_as8(dot_lanes(q, k + rows[t], D)) * scale;
 }
 
+// The lane sums of four vectors, in hsum8's order (so a key's score is the same in any of the loops).
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// query_scores for the G query heads of one KV head (q: G rows of D, D a multiple of 8), four keys at a time: each
+// K row is loaded and widened once for all G, where query_scores widened it once a head. Same sums, same order.
+template <int G, typename T>
+void heads_scores(const float* q, const T* k, const int64_t* rows, int64_t L, int64_t D, float scale, float* scores, int64_t stride) {
+    int64_t t = 0;
+    for (; t + 4 <= L; t += 4) {
+        __m256 partial[G][4];
+        for (int h = 0; h < G; ++h)
+            for (int j = 0; j < 4; ++j) partial[h][j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 8)
+            for (int j = 0; j < 4; ++j) {
+                const __m256 kj = load8(k + rows[t + j] + i);
+                for (int h = 0; h < G; ++h) partial[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + i), kj, partial[h][j]);
+            }
+        for (int h = 0; h < G; ++h)
+            _mm_storeu_ps(scores + h * stride + t, _mm_mul_ps(hsum4(partial[h][0], partial[h][1], partial[h][2], partial[h][3]), _mm_set1_ps(scale)));
+    }
+    for (int h = 0; h < G; ++h)
+        for (int64_t u = t; u < L; ++u) scores[h * stride + u] = hsum_as8(dot_lanes(q + h * D, k + rows[u], D)) * scale;
+}
+
+// weighted_values for the G query heads of one KV head (p: G rows p_stride apart; out: G rows out_stride apart; D a
+// multiple of 32), 32 columns at a time: each V row is loaded and widened once for all G. Same sums, same order.
+template <int G, typename T>
+void heads_values(const float* p, int64_t p_stride, const T* v, const int64_t* rows, int64_t L, int64_t D, float* out, int64_t out_stride) {
+    for (int64_t c0 = 0; c0 < D; c0 += 32) {
+        __m256 acc[G][4];
+        for (int h = 0; h < G; ++h)
+            for (int r = 0; r < 4; ++r) acc[h][r] = _mm256_loadu_ps(out + h * out_stride + c0 + 8 * r);
+        for (int64_t t = 0; t < L; ++t) {
+            __m256 pt[G];
+            for (int h = 0; h < G; ++h) pt[h] = _mm256_set1_ps(p[h * p_stride + t]);
+            for (int r = 0; r < 4; ++r) {
+                const __m256 vt = load8(v + rows[t] + c0 + 8 * r);
+                for (int h = 0; h < G; ++h) acc[h][r] = _mm256_fmadd_ps(pt[h], vt, acc[h][r]);
+            }
+        }
+        for (int h = 0; h < G; ++h)
+            for (int r = 0; r < 4; ++r) _mm256_storeu_ps(out + h * out_stride + c0 + 8 * r, acc[h][r]);
+    }
+}
+
+// The G >= 2 query heads of a KV head in runs of two or three (four as two and two), f(first head, run length).
+template <typename F>
+inline void head_runs(int64_t G, F&& f) {
+    for (int64_t h = 0, n; h < G; h += n) {
+        n = G - h == 4 ? 2 : std::min<int64_t>(3, G - h);
+        f(h, n);
+    }
+}
+
 // out += sum_t p[t] * V[t], accumulated in registers 64 columns at a time.
 template <typename T>
 void weighted_values(const float* p, const T* v, const int64_t* rows, int64_t L, int64_t D, float* out) {
@@ -139,6 +196,34 @@ void weighted_values(const float* p, const T* v, const int64_t* rows, int64_t L,
         for (int r = 0; r < vecs; ++r) _mm256_storeu_ps(out + c0 + 8 * r, acc[r]);
         for (int64_t c = vecs * 8; c < tail_end; ++c) out[c0 + c] = tail[c - vecs * 8];
     }
+}
+
+// Scores of the G query heads of a KV head (q: G rows of D) against L keys: into scores + h * stride.
+template <typename T>
+void kv_head_scores(const float* q, int64_t G, const T* k, const int64_t* rows, int64_t L, int64_t D, float scale, float* scores,
+                    int64_t stride) {
+    if (D % 8 != 0 || G == 1) {
+        for (int64_t h = 0; h < G; ++h) query_scores(q + h * D, k, rows, L, D, scale, scores + h * stride);
+        return;
+    }
+    head_runs(G, [&](int64_t h, int64_t n) {
+        if (n == 3) heads_scores<3>(q + h * D, k, rows, L, D, scale, scores + h * stride, stride);
+        else heads_scores<2>(q + h * D, k, rows, L, D, scale, scores + h * stride, stride);
+    });
+}
+
+// out[h] += sum_t p[h][t] V[t] for the G query heads of a KV head (p rows p_stride apart, out rows out_stride apart).
+template <typename T>
+void kv_head_values(const float* p, int64_t p_stride, int64_t G, const T* v, const int64_t* rows, int64_t L, int64_t D, float* out,
+                    int64_t out_stride) {
+    if (D % 32 != 0 || G == 1) {
+        for (int64_t h = 0; h < G; ++h) weighted_values(p + h * p_stride, v, rows, L, D, out + h * out_stride);
+        return;
+    }
+    head_runs(G, [&](int64_t h, int64_t n) {
+        if (n == 3) heads_values<3>(p + h * p_stride, p_stride, v, rows, L, D, out + h * out_stride, out_stride);
+        else heads_values<2>(p + h * p_stride, p_stride, v, rows, L, D, out + h * out_stride, out_stride);
+    });
 }
 
 // s[i] = exp(s[i] - max) over n scores, in place; returns (max, sum of the exponentials).
@@ -584,9 +669,7 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                         float* s = scores.data() + g * G * stride + at;
                         count = c;
                         if (wide) kva::scores_avx512(format_of(base), q + b * q_stride + g * G * D, G, base, rows.data() + o, c, D, float(scale), s, stride);
-                        else
-                            for (int64_t h = 0; h < G; ++h)
-                                query_scores(q + b * q_stride + (g * G + h) * D, base, rows.data() + o, c, D, float(scale), s + h * stride);
+                        else kv_head_scores(q + b * q_stride + g * G * D, G, base, rows.data() + o, c, D, float(scale), s, stride);
                     });
             }
             for (int64_t h = 0; h < H; ++h) {
@@ -603,8 +686,7 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                         const float* p = scores.data() + g * G * stride + at;
                         count = c;
                         if (wide) kva::values_avx512(format_of(base), p, stride, G, base, rows.data() + o, c, D, part + g * G * (D + 2), D + 2);
-                        else
-                            for (int64_t h = 0; h < G; ++h) weighted_values(p + h * stride, base, rows.data() + o, c, D, part + (g * G + h) * (D + 2));
+                        else kv_head_values(p, stride, G, base, rows.data() + o, c, D, part + g * G * (D + 2), D + 2);
                     });
             }
             if (tasks[b + 1] - tasks[b] == 1) {  // the whole context in one chunk: normalize here, no merge
