@@ -338,6 +338,58 @@ inline Scales8 unit_scales(const uint8_t* p, const Layout& L, int h, __m256 d, _
     return s;
 }
 
+// Lanes 8h..8h+7 of a panel unit's code vectors j (see half_vector), as the int8 kernels multiply them: 8-bit codes
+// as signed weights (maddubs would saturate at 255 * 127 * 2: |w| is taken, and sign(x, w), in unit_sums).
+template <int TYPE>
+inline void int8_codes(const uint8_t* p, const Layout& L, int j, int h, __m256i* lo, __m256i* hi) {
+    half_vector<TYPE>(p, L, j, h, lo, hi);
+    if constexpr (info(TYPE).bits == 8) {
+        *lo = _mm256_xor_si256(*lo, _mm256_set1_epi8(static_cast<char>(0x80)));
+        *hi = _mm256_xor_si256(*hi, _mm256_set1_epi8(static_cast<char>(0x80)));
+    }
+}
+
+// A unit's integer dot products with one activation row, code vectors j of 4 at a time (xl, xh: the row's values
+// 4j.. and 16 + 4j.. broadcast): dl, dh the low and high 16 weights' int32 sums (for 4/5-bit codes, dl holds both),
+// pairs the int16 sums not yet widened: at most 2 * 15 * 127 for 4-bit codes, 2 * 31 * 127 for 5-bit ones, so a
+// unit's four code vectors (4-bit) or two (5-bit) sum without overflow before one widening to int32.
+template <int TYPE>
+inline void unit_sums(__m256i lo, __m256i hi, __m256i xl, __m256i xh, int j, __m256i& dl, __m256i& dh, __m256i& pairs) {
+    constexpr Info t = info(TYPE);
+    if constexpr (t.bits == 8) {
+        dl = _mm256_add_epi32(dl, dot_lanes(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(xl, lo)));
+        dh = _mm256_add_epi32(dh, dot_lanes(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(xh, hi)));
+    } else if constexpr (t.per16) {
+        dl = _mm256_add_epi32(dl, dot_lanes(lo, xl)), dh = _mm256_add_epi32(dh, dot_lanes(hi, xh));
+    } else {
+        pairs = _mm256_add_epi16(pairs, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+        if (t.bits == 4 ? j == 3 : j % 2 == 1) {
+            dl = _mm256_add_epi32(dl, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+            pairs = _mm256_setzero_si256();
+        }
+    }
+}
+
+// acc plus a unit's scaled dot products (unit_sums) with activation entry i.
+template <int TYPE>
+inline __m256 unit_result(__m256i dl, __m256i dh, const Scales8& sc, const Activations& a, int64_t i, __m256 acc) {
+    constexpr Info t = info(TYPE);
+    const __m256 xs = _mm256_set1_ps(a.xs[i]);
+    if constexpr (t.bits == 8) {
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dl, dh)), _mm256_mul_ps(sc.lo, xs), acc);
+    } else if constexpr (t.per16) {
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dl, _mm256_set1_epi32(a.corr_lo[i]))), _mm256_mul_ps(sc.lo, xs), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dh, _mm256_set1_epi32(a.corr_hi[i]))), _mm256_mul_ps(sc.hi, xs), acc);
+    } else {
+        const __m256i dot = t.offset ? _mm256_sub_epi32(dl, _mm256_set1_epi32(a.corr_lo[i] + a.corr_hi[i])) : dl;
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc.lo, xs), acc);
+    }
+    if constexpr (t.min) acc = _mm256_fmadd_ps(sc.min, _mm256_set1_ps(a.xsum[i]), acc);
+    return acc;
+}
+
+inline __m256i broadcast4(const int8_t* x) { return _mm256_set1_epi32(load32(x)); }
+
 // Lanes 8h..8h+7 of a panel (its rows 8h..8h+7) against R activation rows: out[r * ldo + 8h + lane]. A unit's
 // codes are unpacked once, then each row's dot products are summed in turn (few vectors live at once: with every
 // row's sums interleaved, the compiler spilled them to the stack; one process, both builds: 3.5-5% faster).
@@ -352,48 +404,46 @@ void panel_int8_avx2(const uint8_t* panel, const Layout& L, const Activations& a
             for (int64_t b = 0; b < L.unit_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD + b), _MM_HINT_T0);
         if (t.kquant && u % 8 == 0) block_scales<TYPE>(p, L, h, &d, &dmin);
         __m256i lo[4], hi[4];
-        for (int j = 0; j < 4; ++j) {
-            half_vector<TYPE>(p, L, j, h, &lo[j], &hi[j]);
-            if constexpr (t.bits == 8) {  // maddubs would saturate at 255 * 127 * 2: |w| here, and sign(x, w) per row
-                lo[j] = _mm256_xor_si256(lo[j], _mm256_set1_epi8(static_cast<char>(0x80)));
-                hi[j] = _mm256_xor_si256(hi[j], _mm256_set1_epi8(static_cast<char>(0x80)));
-            }
-        }
+        for (int j = 0; j < 4; ++j) int8_codes<TYPE>(p, L, j, h, &lo[j], &hi[j]);
         const Scales8 sc = unit_scales<TYPE>(p, L, h, d, dmin);
         for (int r = 0; r < R; ++r) {
             const int64_t i = a.at(r0 + r, u);
             const int8_t* x = a.q + 32 * i;
             __m256i dl = _mm256_setzero_si256(), dh = _mm256_setzero_si256(), pairs = _mm256_setzero_si256();
-            for (int j = 0; j < 4; ++j) {
-                const __m256i xl = _mm256_set1_epi32(load32(x + 4 * j)), xh = _mm256_set1_epi32(load32(x + 16 + 4 * j));
-                if constexpr (t.bits == 8) {
-                    dl = _mm256_add_epi32(dl, dot_lanes(_mm256_sign_epi8(lo[j], lo[j]), _mm256_sign_epi8(xl, lo[j])));
-                    dh = _mm256_add_epi32(dh, dot_lanes(_mm256_sign_epi8(hi[j], hi[j]), _mm256_sign_epi8(xh, hi[j])));
-                } else if constexpr (t.per16) {
-                    dl = _mm256_add_epi32(dl, dot_lanes(lo[j], xl)), dh = _mm256_add_epi32(dh, dot_lanes(hi[j], xh));
-                } else {  // int16 pairs, at most 2 * 15 * 127 for 4-bit codes, 2 * 31 * 127 for 5-bit ones: a unit's
-                    // four code vectors (4-bit) or two (5-bit) sum without overflow before one widening to int32
-                    pairs = _mm256_add_epi16(pairs, _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], xl), _mm256_maddubs_epi16(hi[j], xh)));
-                    if (t.bits == 4 ? j == 3 : j % 2 == 1) {
-                        dl = _mm256_add_epi32(dl, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-                        pairs = _mm256_setzero_si256();
-                    }
-                }
-            }
-            const __m256 xs = _mm256_set1_ps(a.xs[i]);
-            if constexpr (t.bits == 8) {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dl, dh)), _mm256_mul_ps(sc.lo, xs), acc[r]);
-            } else if constexpr (t.per16) {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dl, _mm256_set1_epi32(a.corr_lo[i]))), _mm256_mul_ps(sc.lo, xs), acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dh, _mm256_set1_epi32(a.corr_hi[i]))), _mm256_mul_ps(sc.hi, xs), acc[r]);
-            } else {
-                const __m256i dot = t.offset ? _mm256_sub_epi32(dl, _mm256_set1_epi32(a.corr_lo[i] + a.corr_hi[i])) : dl;
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc.lo, xs), acc[r]);
-            }
-            if constexpr (t.min) acc[r] = _mm256_fmadd_ps(sc.min, _mm256_set1_ps(a.xsum[i]), acc[r]);
+            for (int j = 0; j < 4; ++j) unit_sums<TYPE>(lo[j], hi[j], broadcast4(x + 4 * j), broadcast4(x + 16 + 4 * j), j, dl, dh, pairs);
+            acc[r] = unit_result<TYPE>(dl, dh, sc, a, i, acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
+}
+
+// A panel's 16 rows against one activation row r (a decode step's): out[0..16). Each broadcast of the row's values
+// serves both halves' code vectors, and the panel is read in one pass, not one a half.
+template <int TYPE>
+void panel_int8_row_avx2(const uint8_t* panel, const Layout& L, const Activations& a, int64_t r, float* out) {
+    constexpr Info t = info(TYPE);
+    __m256 acc[2], d[2], dmin[2];
+    for (int h = 0; h < 2; ++h) acc[h] = d[h] = dmin[h] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < L.units; ++u) {
+        const uint8_t* p = panel + L.unit_at(u);
+        for (int64_t b = 0; b < L.unit_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD + b), _MM_HINT_T0);
+        if (t.kquant && u % 8 == 0)
+            for (int h = 0; h < 2; ++h) block_scales<TYPE>(p, L, h, &d[h], &dmin[h]);
+        const int64_t i = a.at(r, u);
+        const int8_t* x = a.q + 32 * i;
+        __m256i dl[2], dh[2], pairs[2];
+        for (int h = 0; h < 2; ++h) dl[h] = dh[h] = pairs[h] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            const __m256i xl = broadcast4(x + 4 * j), xh = broadcast4(x + 16 + 4 * j);
+            for (int h = 0; h < 2; ++h) {
+                __m256i lo, hi;
+                int8_codes<TYPE>(p, L, j, h, &lo, &hi);
+                unit_sums<TYPE>(lo, hi, xl, xh, j, dl[h], dh[h], pairs[h]);
+            }
+        }
+        for (int h = 0; h < 2; ++h) acc[h] = unit_result<TYPE>(dl[h], dh[h], unit_scales<TYPE>(p, L, h, d[h], dmin[h]), a, i, acc[h]);
+    }
+    _mm256_storeu_ps(out, acc[0]), _mm256_storeu_ps(out + 8, acc[1]);
 }
 
 // Four vectors of eight 4-byte lanes -> per lane its four dwords in vector order: row k in the low half of
@@ -470,6 +520,10 @@ template <int TYPE>
 void panels_int8_avx2(const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t p0, int64_t p1, float* out, int64_t ldo) {
     // Rows a block at a time, so that the block's activations, read again for every panel, stay in L1/L2 (all 512
     // rows of a prefill chunk did not: 0.45 ms a row where 64 rows took 0.31)
+    if (M == 1) {  // a decode step: one pass over each panel
+        for (int64_t p = p0; p < p1; ++p) panel_int8_row_avx2<TYPE>(w + p * L.panel_bytes(), L, a, 0, out + PANEL * p);
+        return;
+    }
     const int64_t block = std::max<int64_t>(4, (32 << 10) / L.K / 4 * 4);
     for (int64_t r0 = 0; r0 < M; r0 += block)
         for (int64_t p = p0; p < p1; ++p)
