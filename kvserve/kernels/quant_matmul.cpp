@@ -518,14 +518,14 @@ void dequantize_rows(int type, const uint8_t* w, const Layout& L, int64_t N, int
 // rows multiply it).
 template <int TYPE>
 void panels_int8_avx2(const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t p0, int64_t p1, float* out, int64_t ldo) {
-    // Rows a block at a time, so that the block's activations, read again for every panel, stay in L1/L2 (all 512
-    // rows of a prefill chunk did not: 0.45 ms a row where 64 rows took 0.31)
     if (M <= 2) {  // a decode step, or one with a guess to verify: a pass over each panel a row (ad hoc, one process:
         // two rows 0.94-1.09x as fast as the many-row kernel, ~1.03x in the median; three rows 0.84-0.97x)
         for (int64_t p = p0; p < p1; ++p)
             for (int64_t r = 0; r < M; ++r) panel_int8_row_avx2<TYPE>(w + p * L.panel_bytes(), L, a, r, out + r * ldo + PANEL * p);
         return;
     }
+    // Rows a block at a time, so that the block's activations, read again for every panel, stay in L1/L2 (all 512
+    // rows of a prefill chunk did not: 0.45 ms a row where 64 rows took 0.31)
     const int64_t block = std::max<int64_t>(4, (32 << 10) / L.K / 4 * 4);
     for (int64_t r0 = 0; r0 < M; r0 += block)
         for (int64_t p = p0; p < p1; ++p)
