@@ -48,29 +48,33 @@ def test_matmul_dtype_setting(tiny_model_dir):
 @pytest.fixture
 def no_amx(monkeypatch):
     """A CPU without AMX, whatever this one has: int8 activations take the kernels at every step size."""
+    monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
 
 
 def test_kernel_rows_by_activations_and_cpu(monkeypatch):
     """fp32 activations: the kernels up to 16 rows, a GEMM over tiles past them. int8 activations: the kernels at any
-    row count, but where the CPU has AMX, whose bf16 tiles take steps over 64 rows."""
+    row count, but where the CPU has AMX, whose bf16 tiles take steps over 192 rows."""
     layer = Linear(64, 32, bias=False)
     assert layer.kernel_rows == 16
     layer.int8_activations = True
     monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
     assert layer.kernel_rows == sys.maxsize
     monkeypatch.setattr(linear, "cpu_has_amx", lambda: True)
-    assert layer.kernel_rows == 64
+    assert layer.kernel_rows == 192
 
 
 def test_bf16_matmuls_track_fp32_on_smollm2(smollm2, monkeypatch):
     """Teacher-forced over the fp32 model's own answer: the per-token KL and the greedy agreement bound the cost of
-    bf16 tiles, which a prefill of more than 64 tokens multiplies where the CPU has AMX (stood in for here)."""
+    bf16 tiles, which a long prefill multiplies where the CPU has AMX (stood in for here, and the threshold lowered to
+    64 rows so that this prompt of ~100 tokens crosses it)."""
     monkeypatch.setattr(linear, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(linear, "MAX_KERNEL_ROWS_INT8_AMX", 64)
     bf16 = LLM("smollm2-135m", device="cpu", matmul_dtype="bfloat16", kv_cache_memory="64MiB")
     assert bf16.engine.runner.model.layers[0].mlp.down_proj.kernel_rows == 64
     prompt = smollm2.engine.tokenize(smollm2.apply_chat_template(
         [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_special_tokens=False)
     answer = smollm2.generate(prompt, greedy(64), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(prompt + answer) > 64
     exact, approx = (prefill_logits(llm, prompt + answer).float() for llm in (smollm2, bf16))
     logp, logq = exact.log_softmax(-1), approx.log_softmax(-1)
     kl = (logp.exp() * (logp - logq)).sum(-1)
@@ -182,7 +186,7 @@ def test_batch_invariant_needs_the_stacked_int8_kernels_and_no_kv_policy(no_amx,
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, **FP32)
     with pytest.raises(KVServeError, match="kv_policy h2o cannot run with batch_invariant"):
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, kv_policy="h2o:budget=0.5")
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: True)  # bf16 tiles past 64 rows
+    monkeypatch.setattr(linear, "cpu_has_amx", lambda: True)  # bf16 tiles past 192 rows
     with pytest.raises(KVServeError, match="batch_invariant needs"):
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True)
 

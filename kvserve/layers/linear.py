@@ -25,9 +25,10 @@ MAX_KERNEL_ROWS = 16
 # fp32 tiles 1.7-2.3, and the kernels forced to AVX2 1.3-1.4. So every step uses them, and a row's numbers never
 # depend on how many rows share its step (a request's output is the same alone or batched; batch_invariant makes
 # prompt attention independent of the chunking too).
-# Not where the CPU has AMX (not measured here: its bf16 tiles are several times AVX-512's), whose steps over this
-# many rows keep the GEMM.
-MAX_KERNEL_ROWS_INT8_AMX = 64
+# Not where the CPU has AMX, whose bf16 tiles outrun the kernels past this many rows: on a 2-core Xeon with AMX, all of
+# SmolLM2's linears took 0.56-0.60 ms a row in the kernels at 128 rows, bf16 tiles 0.68-0.69 (dequantizing the
+# weight costs them ~50 ms a step); 0.60-0.62 against 0.51-0.52 at 256, 0.63-0.65 against 0.36 at 1,024.
+MAX_KERNEL_ROWS_INT8_AMX = 192
 ANY_ROWS = sys.maxsize  # kernel_rows where every step multiplies in place (so a row's numbers never depend on its step)
 # For a few rows against a wide weight, MKL's x @ W^T takes a slow path (4 rows x the 49152-wide head: 42 ms),
 # while W @ x^T, the same numbers, is fast (9 ms); past this many rows x @ W^T catches up. Not on CUDA, where
