@@ -81,8 +81,8 @@ def test_auto_kv_dtype_follows_the_matmul_precision():
     assert EngineConfig(device="cpu", matmul_dtype="bfloat16").kv_dtypes == ("float16", "float16")
     assert EngineConfig(device="cpu", matmul_dtype="float32").kv_dtypes == ("float32", "float32")
     assert EngineConfig(device="cpu", model="smollm2-135m").kv_dtypes == ("float16", "float16")  # int8 activations
-    assert EngineConfig(device="cpu", model="/m/model.gguf", native_kernels=False).kv_dtypes == ("float32", "float32")
     dense = "float16" if cpu_has_native_bf16() else "float32"  # auto matmuls are bf16 only where the CPU has them
+    assert EngineConfig(device="cpu", model="/m/model.gguf", native_kernels=False).kv_dtypes == (dense, dense)  # no int8 kernels
     assert EngineConfig(device="cpu", model="/m/hf-model-dir").kv_dtypes == (dense, dense)
     assert EngineConfig(device="cpu", dtype="bfloat16").kv_dtypes == ("bfloat16", "bfloat16")
     assert EngineConfig(device="cpu", matmul_dtype="bfloat16", cache_type_k="int8").kv_dtypes == ("int8", "float16")

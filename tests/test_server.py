@@ -321,13 +321,13 @@ def test_logprob_tokens_carry_their_own_bytes(server, smollm2):
     ids = smollm2.engine.tokenize(word, add_special_tokens=False)
     assert len(ids) > len(word)  # some token holds part of a character
     body = {"model": "test-model", "prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0}
-    tokens = httpx.post(f"{server}/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+    tokens = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]["tokens"]
     assert any(t.startswith("bytes:") for t in tokens) and "\ufffd" not in "".join(tokens)
     raw = b"".join(bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:") else t.encode() for t in tokens)
     assert raw == word.encode()
     messages = [{"role": "user", "content": "Write the Japanese word for Japan, in Japanese script only."}]
     reply = httpx.post(f"{server}/v1/chat/completions", json={"model": "test-model", "messages": messages, "max_tokens": 12,
-                                                              "temperature": 0, "logprobs": True}).json()["choices"][0]
+                                                              "temperature": 0, "logprobs": True}, timeout=60).json()["choices"][0]
     joined = bytes(b for entry in reply["logprobs"]["content"] for b in entry["bytes"])
     text = reply["message"]["content"].encode()  # max_tokens may cut a character short: the text waits for its end
     assert joined.startswith(text) and len(joined) - len(text) < 4
