@@ -1,8 +1,9 @@
 // The inner loops of paged decode attention over a float cache (fp32, fp16, bf16 rows) with AVX-512, for
-// head_dim a multiple of 64: half the instructions of the AVX2 loops, which is what bounds them. Scores take 16
-// keys of one query head at a time and reduce their 16 partial-sum vectors together; values take a V row once
-// for up to four query heads of its KV head. Like quant_matmul_avx512.cpp, only this file's code below the target
-// pragma uses AVX-512, and paged_attention.cpp calls it where the CPU has it.
+// head_dim a multiple of 64: half the instructions of the AVX2 loops, which is what bounds them. Scores take a K
+// row once for up to three query heads of its KV head, eight keys at a time, and reduce each head's eight
+// partial-sum vectors together; values take a V row once for up to four query heads of its KV head. Like
+// quant_matmul_avx512.cpp, only this file's code below the target pragma uses AVX-512, and paged_attention.cpp
+// calls it where the CPU has it.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -21,37 +22,43 @@ inline __m512 load16(const void* base, int64_t at) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// Lane j of the result is the sum of v[j]'s lanes.
-inline __m512 reduce16(__m512 v[16]) {
-    __m512 pairs[8], quads[4];
-    for (int m = 0; m < 8; ++m)  // 128-bit lanes 0-1 hold key 2m's partial sums, 2-3 key 2m + 1's
+// Lane j of the result is the sum of v[j]'s lanes, for each the same tree: (v[e] + v[8 + e]) + (v[4 + e] + v[12 + e])
+// for e < 4, then (e0 + e2) + (e1 + e3), as _mm512_reduce_add_ps sums a single key's (the tail's, below).
+inline __m256 reduce8(__m512 v[8]) {
+    __m512 pairs[4], quads[2];
+    for (int m = 0; m < 4; ++m)
         pairs[m] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], 0x44), _mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], 0xEE));
-    for (int m = 0; m < 4; ++m)  // 128-bit lane l holds key 4m + l's
+    for (int m = 0; m < 2; ++m)
         quads[m] = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[2 * m], pairs[2 * m + 1], 0x88),
                                  _mm512_shuffle_f32x4(pairs[2 * m], pairs[2 * m + 1], 0xDD));
     const __m512 u = _mm512_add_ps(_mm512_unpacklo_ps(quads[0], quads[1]), _mm512_unpackhi_ps(quads[0], quads[1]));
-    const __m512 w = _mm512_add_ps(_mm512_unpacklo_ps(quads[2], quads[3]), _mm512_unpackhi_ps(quads[2], quads[3]));
-    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(u, w, 0x44), _mm512_shuffle_ps(u, w, 0xEE));  // lane 4l + m: key 4m + l
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(u, u, 0x44), _mm512_shuffle_ps(u, u, 0xEE));  // lane 4l + m: key 4m + l
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums));
 }
 
-template <int Format>
-void scores(const float* q, const void* k, const int64_t* rows, int64_t n, int64_t D, float scale, float* out) {
+// out[h][t] = scale * q[h] . K[t] for the G query heads of one KV head (q: G rows of D), eight keys at a time: each K
+// row is loaded and widened once for all G (3 heads x 8 keys: 24 accumulators of the 32 registers). The last keys
+// take a reduction each, in the same order: a key's score does not depend on the run it falls in.
+template <int Format, int G>
+void heads_scores(const float* q, const void* k, const int64_t* rows, int64_t n, int64_t D, float scale, float* out, int64_t stride) {
     int64_t t = 0;
-    for (; t + 16 <= n; t += 16) {
-        __m512 acc[16];
-        for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < D; i += 16) {
-            const __m512 qi = _mm512_loadu_ps(q + i);
-            for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qi, load16<Format>(k, rows[t + j] + i), acc[j]);
+    for (; t + 8 <= n; t += 8) {
+        __m512 acc[G][8];
+        for (int h = 0; h < G; ++h)
+            for (int j = 0; j < 8; ++j) acc[h][j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 16)
+            for (int j = 0; j < 8; ++j) {
+                const __m512 kj = load16<Format>(k, rows[t + j] + i);
+                for (int h = 0; h < G; ++h) acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + i), kj, acc[h][j]);
+            }
+        for (int h = 0; h < G; ++h) _mm256_storeu_ps(out + h * stride + t, _mm256_mul_ps(reduce8(acc[h]), _mm256_set1_ps(scale)));
+    }
+    for (int h = 0; h < G; ++h)
+        for (int64_t u = t; u < n; ++u) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + i), load16<Format>(k, rows[u] + i), acc);
+            out[h * stride + u] = _mm512_reduce_add_ps(acc) * scale;
         }
-        _mm512_storeu_ps(out + t, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
-    }
-    for (; t < n; ++t) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16<Format>(k, rows[t] + i), acc);
-        out[t] = _mm512_reduce_add_ps(acc) * scale;
-    }
 }
 
 // out[h] += sum_t p[h][t] V[t] for Heads heads, 64 columns at a time.
@@ -72,6 +79,14 @@ void values(const float* p, int64_t p_stride, const void* v, const int64_t* rows
         for (int h = 0; h < Heads; ++h)
             for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + h * out_stride + c0 + 16 * r, acc[h][r]);
     }
+}
+
+template <int G>
+void heads_scores(int format, const float* q, const void* k, const int64_t* rows, int64_t n, int64_t D, float scale, float* out,
+                  int64_t stride) {
+    if (format == 0) heads_scores<0, G>(q, k, rows, n, D, scale, out, stride);
+    else if (format == 1) heads_scores<1, G>(q, k, rows, n, D, scale, out, stride);
+    else heads_scores<2, G>(q, k, rows, n, D, scale, out, stride);
 }
 
 template <int Format>
@@ -95,10 +110,11 @@ namespace kva {
 
 void scores_avx512(int format, const float* q, int64_t heads, const void* k, const int64_t* rows, int64_t n, int64_t D, float scale,
                    float* out, int64_t out_stride) {
-    for (int64_t h = 0; h < heads; ++h) {
-        if (format == 0) scores<0>(q + h * D, k, rows, n, D, scale, out + h * out_stride);
-        else if (format == 1) scores<1>(q + h * D, k, rows, n, D, scale, out + h * out_stride);
-        else scores<2>(q + h * D, k, rows, n, D, scale, out + h * out_stride);
+    for (int64_t h = 0, m; h < heads; h += m) {  // runs of up to three heads (four as two and two)
+        m = heads - h == 4 ? 2 : std::min<int64_t>(3, heads - h);
+        if (m == 3) heads_scores<3>(format, q + h * D, k, rows, n, D, scale, out + h * out_stride, out_stride);
+        else if (m == 2) heads_scores<2>(format, q + h * D, k, rows, n, D, scale, out + h * out_stride, out_stride);
+        else heads_scores<1>(format, q + h * D, k, rows, n, D, scale, out + h * out_stride, out_stride);
     }
 }
 
