@@ -252,6 +252,13 @@ class EngineConfig:
         return self.matmul_dtype == "bfloat16" or auto
 
     @property
+    def bf16_prompt_attention(self) -> bool:
+        """Whether prompt tokens attend in bf16 (SDPA over bf16 queries, keys and values; decode attention stays
+        fp32): on a CPU with AMX, whose long steps multiply bf16 tiles already, unless matmul_dtype is float32."""
+        cpu = self.torch_device.type == "cpu" and self.dtype == "float32"
+        return cpu and self.matmul_dtype != "float32" and cpu_has_amx()
+
+    @property
     def int8_matmuls(self) -> bool:
         """Whether a GGUF model's linear layers multiply its packed blocks by int8 activations (the CPU kernels,
         where the runner finds them built; see matmul_dtype)."""

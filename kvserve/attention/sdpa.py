@@ -15,8 +15,9 @@ class SDPABackend:
     batch_invariant = False
     decode_rows = 0  # steps of up to this many plain decodes the backend runs whole, from tokens to logits (cpu_native)
 
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, prompt_dtype: torch.dtype | None = None):
         self.cache = cache
+        self.prompt_dtype = prompt_dtype  # what queries of more than one token a sequence attend in (None: the model's)
 
     def step_arguments(self, ctx: ForwardContext) -> list[tuple] | None:
         """A native kernel's arguments for a step it runs whole (cpu_native); this backend runs none."""
@@ -74,12 +75,13 @@ class SDPABackend:
         repeat = q.shape[1] // keys.shape[2]
         if q.device.type == "cuda" and repeat > 1:  # CUDA's fused kernels take no enable_gqa; the math one is slow
             keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)
-        queries = q[group.query_index].transpose(1, 2)
+        dtype = self.prompt_dtype if self.prompt_dtype is not None and not group.is_decode else q.dtype
+        queries = q[group.query_index].transpose(1, 2).to(dtype)
         o = F.scaled_dot_product_attention(
-            queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+            queries, keys.transpose(1, 2).to(dtype), values.transpose(1, 2).to(dtype),
             attn_mask=group.masks[g], is_causal=group.is_causal and group.masks[g] is None, scale=scale, enable_gqa=keys.shape[2] != q.shape[1],
         )
-        return o.transpose(1, 2).flatten(0, 1)[group.query_valid]
+        return o.transpose(1, 2).flatten(0, 1)[group.query_valid].to(q.dtype)
 
     def _keys_values(self, g: int, j: int, group: QueryGroup, value_dims: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's cached keys and values [B, L, KVH, D] (value_dims: the values are the keys' first dims, MLA)."""

@@ -81,10 +81,11 @@ class ModelRunner:
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
         hugepages.return_freed_memory()
         self.windows = layout.windows
-        self.sdpa = SDPABackend(self.kv_cache)
+        prompt_dtype = torch.bfloat16 if config.bf16_prompt_attention else None
+        self.sdpa = SDPABackend(self.kv_cache, prompt_dtype)
         self.backend, self.graphs = self.sdpa, None
         if self.native:
-            self.backend = NativeCPUBackend(self.kv_cache)
+            self.backend = NativeCPUBackend(self.kv_cache, prompt_dtype)
             self.backend.stack_layers(self.model)
         elif self.device.type == "cuda":
             self.backend, self.graphs = _cuda_backend(self.model, self.sdpa, config, max_model_len)
