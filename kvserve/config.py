@@ -253,10 +253,11 @@ class EngineConfig:
 
     @property
     def bf16_prompt_attention(self) -> bool:
-        """Whether prompt tokens attend in bf16 (SDPA over bf16 queries, keys and values; decode attention stays
-        fp32): on a CPU with AMX, whose long steps multiply bf16 tiles already, unless matmul_dtype is float32."""
-        cpu = self.torch_device.type == "cpu" and self.dtype == "float32"
-        return cpu and self.matmul_dtype != "float32" and cpu_has_amx()
+        """Whether the prompt tokens of a long step attend in bf16 (SDPA over bf16 queries, keys and values; decode
+        attention stays fp32): a GGUF model's int8 matmuls on a CPU with AMX, whose steps of more tokens than the
+        kernels take there multiply bf16 tiles already (layers/linear.py). A dense model's bf16 matmuls take every
+        step alike, and so does its attention: a request's numbers do not depend on the tokens beside it."""
+        return self.int8_matmuls and cpu_has_amx()
 
     @property
     def int8_matmuls(self) -> bool:

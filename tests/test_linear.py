@@ -85,18 +85,23 @@ def test_bf16_matmuls_track_fp32_on_smollm2(smollm2, monkeypatch):
 
 
 def test_bf16_prompt_attention_tracks_fp32_on_smollm2(smollm2, monkeypatch):
-    """Where the CPU has AMX (stood in for here) prompt tokens attend in bf16 unless matmul_dtype is float32; decode
-    steps keep the fp32 kernel. Its cost alone, with fp32 matmuls on both sides and teacher-forced over the fp32
-    model's answer (measured on a Xeon with AMX: mean KL 9.8e-5, max 8.0e-4, the same greedy choice at every one of
-    105 positions; over a 1,564-token prompt 7.1e-5, 3.7e-3 and 99.7%)."""
+    """Where the CPU has AMX (stood in for here) the prompt tokens of a GGUF model's step of more than 192 tokens
+    (the steps bf16 tiles multiply there) attend in bf16, unless matmul_dtype is float32; shorter steps, and decode,
+    keep fp32. Its cost alone, with fp32 matmuls on both sides and every step taken as long, teacher-forced over the
+    fp32 model's answer (measured on a Xeon with AMX: mean KL 9.8e-5, max 8.0e-4, the same greedy choice at every one
+    of 105 positions; over a 1,564-token prompt 7.1e-5, 3.7e-3 and 99.7%)."""
     monkeypatch.setattr(config, "cpu_has_amx", lambda: True)
     assert EngineConfig(device="cpu", model="smollm2-135m").bf16_prompt_attention
     assert not EngineConfig(device="cpu", model="smollm2-135m", **FP32).bf16_prompt_attention
+    assert not EngineConfig(device="cpu", model="/m/hf-model-dir").bf16_prompt_attention  # bf16 matmuls at every step
     prompt = smollm2.engine.tokenize(smollm2.apply_chat_template(
         [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_special_tokens=False)
     answer = smollm2.generate(prompt, greedy(64), use_tqdm=False)[0].outputs[0].token_ids
     exact = prefill_logits(smollm2, prompt + answer).float()
-    monkeypatch.setattr(smollm2.engine.runner.backend, "prompt_dtype", torch.bfloat16)
+    backend = smollm2.engine.runner.backend
+    monkeypatch.setattr(backend, "bf16_past", len(prompt + answer))  # not a long step: fp32, the same numbers
+    assert torch.equal(prefill_logits(smollm2, prompt + answer).float(), exact)
+    monkeypatch.setattr(backend, "bf16_past", 0)
     approx = prefill_logits(smollm2, prompt + answer).float()
     assert not torch.equal(exact, approx)  # the bf16 path ran
     logp, logq = exact.log_softmax(-1), approx.log_softmax(-1)

@@ -19,8 +19,8 @@ from kvserve.layers.linear import ANY_ROWS
 
 
 class NativeCPUBackend(SDPABackend):
-    def __init__(self, cache: KVCache, prompt_dtype: torch.dtype | None = None):
-        super().__init__(cache, prompt_dtype)
+    def __init__(self, cache: KVCache, bf16_past: int | None = None):
+        super().__init__(cache, bf16_past)
         layout, residual = cache.layout, cache.residual_k is not None
         codes = (layout.k_format.code, layout.v_format.code, layout.residual_format.code if residual else 0)
         # the kernel's arguments for each layer of a group, made once: K and V stores, their formats, the residual pool's

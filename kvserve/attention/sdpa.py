@@ -15,9 +15,9 @@ class SDPABackend:
     batch_invariant = False
     decode_rows = 0  # steps of up to this many plain decodes the backend runs whole, from tokens to logits (cpu_native)
 
-    def __init__(self, cache: KVCache, prompt_dtype: torch.dtype | None = None):
+    def __init__(self, cache: KVCache, bf16_past: int | None = None):
         self.cache = cache
-        self.prompt_dtype = prompt_dtype  # what queries of more than one token a sequence attend in (None: the model's)
+        self.bf16_past = bf16_past  # steps of more than this many tokens attend their prompts in bf16 (None: never)
 
     def step_arguments(self, ctx: ForwardContext) -> list[tuple] | None:
         """A native kernel's arguments for a step it runs whole (cpu_native); this backend runs none."""
@@ -75,7 +75,8 @@ class SDPABackend:
         repeat = q.shape[1] // keys.shape[2]
         if q.device.type == "cuda" and repeat > 1:  # CUDA's fused kernels take no enable_gqa; the math one is slow
             keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)
-        dtype = self.prompt_dtype if self.prompt_dtype is not None and not group.is_decode else q.dtype
+        long_step = self.bf16_past is not None and q.shape[0] > self.bf16_past
+        dtype = torch.bfloat16 if long_step and not group.is_decode else q.dtype
         queries = q[group.query_index].transpose(1, 2).to(dtype)
         o = F.scaled_dot_product_attention(
             queries, keys.transpose(1, 2).to(dtype), values.transpose(1, 2).to(dtype),

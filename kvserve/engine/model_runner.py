@@ -18,6 +18,7 @@ from kvserve.errors import KVServeError
 from kvserve.kernels import native_ops, triton_ops
 from kvserve.kv.cache import KVCache, pool_sizes
 from kvserve.kv.spec import KVLayout
+from kvserve.layers.linear import MAX_KERNEL_ROWS_INT8_AMX
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample, score_prompt
 from kvserve.models.base import CausalLM, use_q8_weights
 from kvserve.layers.quantized import GGUFTensor, QuantizedWeight, gather_on_huge_pages, load_tensor
@@ -81,11 +82,11 @@ class ModelRunner:
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
         hugepages.return_freed_memory()
         self.windows = layout.windows
-        prompt_dtype = torch.bfloat16 if config.bf16_prompt_attention else None
-        self.sdpa = SDPABackend(self.kv_cache, prompt_dtype)
+        bf16_past = MAX_KERNEL_ROWS_INT8_AMX if config.bf16_prompt_attention else None  # the steps bf16 tiles take
+        self.sdpa = SDPABackend(self.kv_cache, bf16_past)
         self.backend, self.graphs = self.sdpa, None
         if self.native:
-            self.backend = NativeCPUBackend(self.kv_cache, prompt_dtype)
+            self.backend = NativeCPUBackend(self.kv_cache, bf16_past)
             self.backend.stack_layers(self.model)
         elif self.device.type == "cuda":
             self.backend, self.graphs = _cuda_backend(self.model, self.sdpa, config, max_model_len)
