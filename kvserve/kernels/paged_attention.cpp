@@ -31,7 +31,7 @@ bool avx512_enabled();  // quant_matmul.cpp: the CPU has AVX-512 VNNI and KVSERV
 }
 namespace kva {  // paged_attention_avx512.cpp: float rows of format 0-2, head_dim a multiple of 64
 void scores_avx512(int format, const float* q, int64_t heads, const void* k, const int64_t* rows, int64_t n, int64_t D, float scale,
-                   float* out, int64_t out_stride);
+                   float* out, int64_t out_stride);  // heads: 1-3 of one KV head (a head_runs run)
 void values_avx512(int format, const float* p, int64_t p_stride, int64_t heads, const void* v, const int64_t* rows, int64_t n, int64_t D,
                    float* out, int64_t out_stride);
 }  // namespace kva
@@ -158,7 +158,7 @@ void heads_values(const float* p, int64_t p_stride, const T* v, const int64_t* r
     }
 }
 
-// The G >= 2 query heads of a KV head in runs of two or three (four as two and two), f(first head, run length).
+// The G query heads of a KV head in runs of up to three (four as two and two), f(first head, run length).
 template <typename F>
 inline void head_runs(int64_t G, F&& f) {
     for (int64_t h = 0, n; h < G; h += n) {
@@ -668,7 +668,11 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                     with_block_rows(ks, rks, tp[b * W + t / bs], o, n, g, b, t, [&](const auto* base, int64_t c) {
                         float* s = scores.data() + g * G * stride + at;
                         count = c;
-                        if (wide) kva::scores_avx512(format_of(base), q + b * q_stride + g * G * D, G, base, rows.data() + o, c, D, float(scale), s, stride);
+                        if (wide)
+                            head_runs(G, [&](int64_t h, int64_t m) {
+                                kva::scores_avx512(format_of(base), q + b * q_stride + (g * G + h) * D, m, base, rows.data() + o, c, D,
+                                                   float(scale), s + h * stride, stride);
+                            });
                         else kv_head_scores(q + b * q_stride + g * G * D, G, base, rows.data() + o, c, D, float(scale), s, stride);
                     });
             }

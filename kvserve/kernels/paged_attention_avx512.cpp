@@ -110,12 +110,9 @@ namespace kva {
 
 void scores_avx512(int format, const float* q, int64_t heads, const void* k, const int64_t* rows, int64_t n, int64_t D, float scale,
                    float* out, int64_t out_stride) {
-    for (int64_t h = 0, m; h < heads; h += m) {  // runs of up to three heads (four as two and two)
-        m = heads - h == 4 ? 2 : std::min<int64_t>(3, heads - h);
-        if (m == 3) heads_scores<3>(format, q + h * D, k, rows, n, D, scale, out + h * out_stride, out_stride);
-        else if (m == 2) heads_scores<2>(format, q + h * D, k, rows, n, D, scale, out + h * out_stride, out_stride);
-        else heads_scores<1>(format, q + h * D, k, rows, n, D, scale, out + h * out_stride, out_stride);
-    }
+    if (heads == 3) heads_scores<3>(format, q, k, rows, n, D, scale, out, out_stride);
+    else if (heads == 2) heads_scores<2>(format, q, k, rows, n, D, scale, out, out_stride);
+    else heads_scores<1>(format, q, k, rows, n, D, scale, out, out_stride);
 }
 
 void values_avx512(int format, const float* p, int64_t p_stride, int64_t heads, const void* v, const int64_t* rows, int64_t n, int64_t D,
