@@ -63,6 +63,23 @@ def test_kernel_rows_by_activations_and_cpu(monkeypatch):
     assert layer.kernel_rows == 192
 
 
+def answered_prompt(smollm2: LLM) -> list[int]:
+    """A chat prompt and the fp32 model's own 64-token greedy answer: the text the accuracy tests teacher-force."""
+    prompt = smollm2.engine.tokenize(smollm2.apply_chat_template(
+        [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_special_tokens=False)
+    return prompt + smollm2.generate(prompt, greedy(64), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def divergence(name: str, exact: torch.Tensor, approx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position, the KL of approx's next-token distribution to exact's; and the share of positions whose greedy
+    choices agree. Printed, as `name` vs fp32."""
+    logp, logq = exact.float().log_softmax(-1), approx.float().log_softmax(-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    agree = (exact.argmax(-1) == approx.argmax(-1)).float().mean()
+    print(f"{name} vs fp32: mean KL {kl.mean():.2e}, max KL {kl.max():.2e}, greedy agreement {agree:.3f}")
+    return kl, agree
+
+
 def test_bf16_matmuls_track_fp32_on_smollm2(smollm2, monkeypatch):
     """Teacher-forced over the fp32 model's own answer: the per-token KL and the greedy agreement bound the cost of
     bf16 tiles, which a long prefill multiplies where the CPU has AMX (stood in for here, and the threshold lowered to
@@ -71,15 +88,9 @@ def test_bf16_matmuls_track_fp32_on_smollm2(smollm2, monkeypatch):
     monkeypatch.setattr(linear, "MAX_KERNEL_ROWS_INT8_AMX", 64)
     bf16 = LLM("smollm2-135m", device="cpu", matmul_dtype="bfloat16", kv_cache_memory="64MiB")
     assert bf16.engine.runner.model.layers[0].mlp.down_proj.kernel_rows == 64
-    prompt = smollm2.engine.tokenize(smollm2.apply_chat_template(
-        [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_special_tokens=False)
-    answer = smollm2.generate(prompt, greedy(64), use_tqdm=False)[0].outputs[0].token_ids
-    assert len(prompt + answer) > 64
-    exact, approx = (prefill_logits(llm, prompt + answer).float() for llm in (smollm2, bf16))
-    logp, logq = exact.log_softmax(-1), approx.log_softmax(-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)
-    agree = (exact.argmax(-1) == approx.argmax(-1)).float().mean()
-    print(f"bf16 matmuls vs fp32: mean KL {kl.mean():.2e}, max KL {kl.max():.2e}, greedy agreement {agree:.3f}")
+    text = answered_prompt(smollm2)
+    assert len(text) > 64
+    kl, agree = divergence("bf16 matmuls", *(prefill_logits(llm, text) for llm in (smollm2, bf16)))
     assert kl.mean() < 2e-3 and kl.max() < 2e-2
     assert agree >= 0.95
 
@@ -94,20 +105,15 @@ def test_bf16_prompt_attention_tracks_fp32_on_smollm2(smollm2, monkeypatch):
     assert EngineConfig(device="cpu", model="smollm2-135m").bf16_prompt_attention
     assert not EngineConfig(device="cpu", model="smollm2-135m", **FP32).bf16_prompt_attention
     assert not EngineConfig(device="cpu", model="/m/hf-model-dir").bf16_prompt_attention  # bf16 matmuls at every step
-    prompt = smollm2.engine.tokenize(smollm2.apply_chat_template(
-        [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_special_tokens=False)
-    answer = smollm2.generate(prompt, greedy(64), use_tqdm=False)[0].outputs[0].token_ids
-    exact = prefill_logits(smollm2, prompt + answer).float()
+    text = answered_prompt(smollm2)
+    exact = prefill_logits(smollm2, text)
     backend = smollm2.engine.runner.backend
-    monkeypatch.setattr(backend, "bf16_past", len(prompt + answer))  # not a long step: fp32, the same numbers
-    assert torch.equal(prefill_logits(smollm2, prompt + answer).float(), exact)
+    monkeypatch.setattr(backend, "bf16_past", len(text))  # not a long step: fp32, the same numbers
+    assert torch.equal(prefill_logits(smollm2, text), exact)
     monkeypatch.setattr(backend, "bf16_past", 0)
-    approx = prefill_logits(smollm2, prompt + answer).float()
+    approx = prefill_logits(smollm2, text)
     assert not torch.equal(exact, approx)  # the bf16 path ran
-    logp, logq = exact.log_softmax(-1), approx.log_softmax(-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)
-    agree = (exact.argmax(-1) == approx.argmax(-1)).float().mean()
-    print(f"bf16 prompt attention vs fp32: mean KL {kl.mean():.2e}, max KL {kl.max():.2e}, greedy agreement {agree:.3f}")
+    kl, agree = divergence("bf16 prompt attention", exact, approx)
     assert kl.mean() < 1e-3 and kl.max() < 1e-2
     assert agree >= 0.97
 
@@ -140,14 +146,8 @@ def test_int8_activations_track_fp32_on_smollm2(smollm2, chunk, no_amx):
     fast = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB")
     assert fast.engine.runner.model.describe_matmuls() == "int8 activations"
     assert smollm2.engine.runner.model.describe_matmuls() == "fp32"
-    prompt = smollm2.engine.tokenize(smollm2.apply_chat_template(
-        [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_special_tokens=False)
-    answer = smollm2.generate(prompt, greedy(64), use_tqdm=False)[0].outputs[0].token_ids
-    exact, approx = (chunked_logits(llm, prompt + answer, chunk).float() for llm in (smollm2, fast))
-    logp, logq = exact.log_softmax(-1), approx.log_softmax(-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)
-    agree = (exact.argmax(-1) == approx.argmax(-1)).float().mean()
-    print(f"int8 activations vs fp32 ({chunk}-token steps): mean KL {kl.mean():.2e}, max KL {kl.max():.2e}, greedy agreement {agree:.3f}")
+    text = answered_prompt(smollm2)
+    kl, agree = divergence(f"int8 activations ({chunk}-token steps)", *(chunked_logits(llm, text, chunk) for llm in (smollm2, fast)))
     assert kl.mean() < 1e-2 and kl.max() < 0.1
     assert agree >= 0.95
 
