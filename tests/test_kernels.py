@@ -15,7 +15,8 @@ from tests.conftest import FP32, assert_fused_paths_agree, greedy
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
-ISAS = ["avx2"] + (["avx512_vnni"] if native_ops() is not None and native_ops().kernel_isa() == "avx512_vnni" else [])
+BEST_ISA = native_ops().kernel_isa() if native_ops() is not None else "avx2"
+ISAS = ["avx2", "avx512_vnni", "amx"][:["avx2", "avx512_vnni", "amx"].index(BEST_ISA) + 1]
 
 
 def random_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -43,7 +44,7 @@ def packed(qtype, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, to
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    """Each kernel instruction set this CPU runs (AVX2 forced where AVX-512 VNNI would be picked)."""
+    """Each kernel instruction set this CPU runs (the lesser ones forced)."""
     before = native_ops().kernel_isa()
     native_ops().set_kernel_isa(request.param)
     yield request.param
@@ -92,15 +93,20 @@ def test_selected_rows_are_those_rows(qtype, isa):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matmul_equals_dequantized_fp32(qtype, int8, isa):
     """Every type, rows 1..64, odd row counts and widths: fp32 math on the gguf package's values (and, for int8
-    activations, on the activations as the kernel quantizes them), to float rounding."""
+    activations, on the activations as the kernel quantizes them; on AMX, from 32 rows, on both rounded to bf16), to
+    float rounding."""
     for cols in _widths(qtype):
         w, values = packed(qtype, 45, cols, seed=cols)
-        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 31, 64):
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 31, 32, 33, 64):
             x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 3
             x[0, :32] = 0  # a block of zeros: scale 0
             out = native_ops().gguf_matmul(x, w, int(qtype), int8)
-            want = (int8_rows(x) if int8 else x) @ values.T
-            bound = 1e-5 * (x.abs() @ values.abs().T) + 1e-6  # float rounding of the sum of |x w| terms
+            if int8 and isa == "amx" and rows >= 32:
+                a, b = x.bfloat16().float(), values.bfloat16().float()
+            else:
+                a, b = (int8_rows(x) if int8 else x), values
+            want = a @ b.T
+            bound = 1e-5 * (a.abs() @ b.abs().T) + 1e-6  # float rounding of the sum of |x w| terms
             assert ((out - want).abs() <= bound).all(), (cols, rows, float(((out - want).abs() / bound).max()))
 
 
@@ -149,7 +155,7 @@ def test_kernel_isa_can_be_forced():
     native_ops().set_kernel_isa("avx2")
     assert native_ops().kernel_isa() == "avx2"
     native_ops().set_kernel_isa(before)
-    with pytest.raises(RuntimeError, match="kernel ISA must be avx2 or avx512_vnni, got sse"):
+    with pytest.raises(RuntimeError, match="kernel ISA must be avx2, avx512_vnni or amx, got sse"):
         native_ops().set_kernel_isa("sse")
 
 

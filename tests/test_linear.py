@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from kvserve import LLM, KVServeError, config
 from kvserve.config import EngineConfig, cpu_has_native_bf16
-from kvserve.layers import linear
+from kvserve.attention import cpu_native
+from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear
 from tests.conftest import FP32, greedy
 from tests.test_llama import prefill_logits
@@ -47,20 +48,26 @@ def test_matmul_dtype_setting(tiny_model_dir):
 
 @pytest.fixture
 def no_amx(monkeypatch):
-    """A CPU without AMX, whatever this one has: int8 activations take the kernels at every step size."""
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
+    """A CPU without AMX, whatever this one has: int8 activations take the kernels' integer dot products at every
+    step size, and prompts attend in fp32."""
+    monkeypatch.setattr(config, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(cpu_native, "cpu_has_amx", lambda: False)
+    ops = native_ops()
+    amx = ops is not None and ops.kernel_isa() == "amx"
+    if amx:
+        ops.set_kernel_isa("avx512_vnni")
+    yield
+    if amx:
+        ops.set_kernel_isa("amx")
 
 
-def test_kernel_rows_by_activations_and_cpu(monkeypatch):
+def test_kernel_rows_by_activations():
     """fp32 activations: the kernels up to 16 rows, a GEMM over tiles past them. int8 activations: the kernels at any
-    row count, but where the CPU has AMX, whose bf16 tiles take steps over 192 rows."""
+    row count (on AMX, steps of 32 rows or more in bf16 tiles of their own)."""
     layer = Linear(64, 32, bias=False)
     assert layer.kernel_rows == 16
     layer.int8_activations = True
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: False)
     assert layer.kernel_rows == sys.maxsize
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: True)
-    assert layer.kernel_rows == 192
 
 
 def answered_prompt(smollm2: LLM) -> list[int]:
@@ -82,10 +89,9 @@ def divergence(name: str, exact: torch.Tensor, approx: torch.Tensor) -> tuple[to
 
 def test_bf16_matmuls_track_fp32_on_smollm2(smollm2, monkeypatch):
     """Teacher-forced over the fp32 model's own answer: the per-token KL and the greedy agreement bound the cost of
-    bf16 tiles, which a long prefill multiplies where the CPU has AMX (stood in for here, and the threshold lowered to
-    64 rows so that this prompt of ~100 tokens crosses it)."""
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: True)
-    monkeypatch.setattr(linear, "MAX_KERNEL_ROWS_INT8_AMX", 64)
+    bf16 tiles (a quantized weight dequantized to bf16 for a GEMM past kernel_rows; stood in for here from 64 rows,
+    so that this prompt of ~100 tokens crosses it)."""
+    monkeypatch.setattr(Linear, "kernel_rows", property(lambda self: 64))
     bf16 = LLM("smollm2-135m", device="cpu", matmul_dtype="bfloat16", kv_cache_memory="64MiB")
     assert bf16.engine.runner.model.layers[0].mlp.down_proj.kernel_rows == 64
     text = answered_prompt(smollm2)
@@ -97,7 +103,7 @@ def test_bf16_matmuls_track_fp32_on_smollm2(smollm2, monkeypatch):
 
 def test_bf16_prompt_attention_tracks_fp32_on_smollm2(smollm2, monkeypatch):
     """Where the CPU has AMX (stood in for here) the prompt tokens of a GGUF model's step of more than 192 tokens
-    (the steps bf16 tiles multiply there) attend in bf16, unless matmul_dtype is float32; shorter steps, and decode,
+    (such steps the kernels multiply in bf16 there) attend in bf16, unless matmul_dtype is float32; shorter steps, and decode,
     keep fp32. Its cost alone, with fp32 matmuls on both sides and every step taken as long, teacher-forced over the
     fp32 model's answer (measured on a Xeon with AMX: mean KL 9.8e-5, max 8.0e-4, the same greedy choice at every one
     of 105 positions; over a 1,564-token prompt 7.1e-5, 3.7e-3 and 99.7%)."""
@@ -214,7 +220,7 @@ def test_batch_invariant_needs_the_stacked_int8_kernels_and_no_kv_policy(no_amx,
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, **FP32)
     with pytest.raises(KVServeError, match="kv_policy h2o cannot run with batch_invariant"):
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, kv_policy="h2o:budget=0.5")
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: True)  # bf16 tiles past 192 rows
+    monkeypatch.setattr(cpu_native, "cpu_has_amx", lambda: True)  # the kernels' bf16 tiles from 32 rows
     with pytest.raises(KVServeError, match="batch_invariant needs"):
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True)
 

@@ -11,14 +11,13 @@ from kvserve import hugepages
 from kvserve.attention import ForwardContext, QueryGroup
 from kvserve.attention.cpu_native import NativeCPUBackend
 from kvserve.attention.sdpa import SDPABackend
-from kvserve.config import EngineConfig
+from kvserve.config import BF16_PROMPT_ATTENTION_ROWS, EngineConfig
 from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
 from kvserve.kernels import native_ops, triton_ops
 from kvserve.kv.cache import KVCache, pool_sizes
 from kvserve.kv.spec import KVLayout
-from kvserve.layers.linear import MAX_KERNEL_ROWS_INT8_AMX
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample, score_prompt
 from kvserve.models.base import CausalLM, use_q8_weights
 from kvserve.layers.quantized import GGUFTensor, QuantizedWeight, gather_on_huge_pages, load_tensor
@@ -82,7 +81,7 @@ class ModelRunner:
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
         hugepages.return_freed_memory()
         self.windows = layout.windows
-        bf16_past = MAX_KERNEL_ROWS_INT8_AMX if config.bf16_prompt_attention else None  # the steps bf16 tiles take
+        bf16_past = BF16_PROMPT_ATTENTION_ROWS if config.bf16_prompt_attention else None
         self.sdpa = SDPABackend(self.kv_cache, bf16_past)
         self.backend, self.graphs = self.sdpa, None
         if self.native:

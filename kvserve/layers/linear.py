@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.config import cpu_has_amx
 from kvserve.layers.quantized import QuantizedWeight
 
 # Up to this many rows the fp32-activation kernels beat dequantizing the weight for a GEMM of fp32 tiles. Measured
@@ -22,13 +21,10 @@ from kvserve.layers.quantized import QuantizedWeight
 MAX_KERNEL_ROWS = 16
 # The int8-activation kernels beat fp32 and bf16 tiles at every row count measured: on a 2-core AMD EPYC with
 # AVX-512 VNNI and BF16, all of SmolLM2's linears took 0.60-0.65 ms a row at 64 to 1,024 rows, bf16 tiles 0.86-1.28,
-# fp32 tiles 1.7-2.3, and the kernels forced to AVX2 1.3-1.4. So every step uses them, and a row's numbers never
-# depend on how many rows share its step (a request's output is the same alone or batched; batch_invariant makes
-# prompt attention independent of the chunking too).
-# Not where the CPU has AMX, whose bf16 tiles outrun the kernels past this many rows: on a 2-core Xeon with AMX, all of
-# SmolLM2's linears took 0.56-0.60 ms a row in the kernels at 128 rows, bf16 tiles 0.68-0.69 (dequantizing the
-# weight costs them ~50 ms a step); 0.60-0.62 against 0.51-0.52 at 256, 0.63-0.65 against 0.36 at 1,024.
-MAX_KERNEL_ROWS_INT8_AMX = 192
+# fp32 tiles 1.7-2.3, and the kernels forced to AVX2 1.3-1.4. So every step uses them. Where the CPU has AMX they
+# multiply steps of 32 rows or more in bf16 on its tiles themselves (quant_matmul.cpp), a panel of weights
+# dequantized at a time: on a 2-core Xeon 0.29 ms a row at 384 rows and 0.27 at 512, where dequantizing the whole
+# weight for oneDNN's bf16 GEMM took 0.37 and 0.33.
 ANY_ROWS = sys.maxsize  # kernel_rows where every step multiplies in place (so a row's numbers never depend on its step)
 # For a few rows against a wide weight, MKL's x @ W^T takes a slow path (4 rows x the 49152-wide head: 42 ms),
 # while W @ x^T, the same numbers, is fast (9 ms); past this many rows x @ W^T catches up. Not on CUDA, where
@@ -62,9 +58,7 @@ class Linear(nn.Linear):
     @property
     def kernel_rows(self) -> int:
         """Up to this many rows a quantized weight multiplies in place; more run a GEMM over dequantized tiles."""
-        if not self.int8_activations:
-            return MAX_KERNEL_ROWS
-        return MAX_KERNEL_ROWS_INT8_AMX if cpu_has_amx() else ANY_ROWS
+        return ANY_ROWS if self.int8_activations else MAX_KERNEL_ROWS
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
