@@ -715,15 +715,11 @@ void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* 
     thread_local Prepared prepared;
     thread_local std::vector<uint16_t> x_bf16;
     const bool bf16 = use_amx && M >= AMX_BF16_ROWS;
-    if (bf16) {
-        x_bf16.resize(M * K);
-        const uint16_t* xb = x_bf16.data();  // this thread's buffer: its address taken here, not in the workers
-        at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { to_bf16_avx512(x + r0 * K, (r1 - r0) * K, const_cast<uint16_t*>(xb) + r0 * K); });
-    } else {
-        quantize_activations(type, x, M, K, prepared);
-    }
+    if (bf16) x_bf16.resize(M * K);
+    uint16_t* xb = x_bf16.data();  // this thread's buffer: its address taken here, not in the workers
+    if (bf16) at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { to_bf16_avx512(x + r0 * K, (r1 - r0) * K, xb + r0 * K); });
+    else quantize_activations(type, x, M, K, prepared);
     const Activations a = prepared.view(L.units);
-    const uint16_t* xb = x_bf16.data();
     const auto multiply = [&](const uint8_t* panels_at, int64_t p0, int64_t p1, float* o, int64_t ld) {
         if (bf16) matmul_panels_bf16_amx(type, xb, panels_at, L, M, p0, p1, o, ld);
         else panels_int8(type, a, panels_at, L, M, p0, p1, o, ld);

@@ -2,7 +2,8 @@
 // eight 512-bit integer dot products (vpdpbusd: unsigned codes x int8 activations, 4 products per int32 lane,
 // lane l for row l), then one conversion and FMA for all 16 rows; and where the CPU has AMX, many rows' matmul in
 // bf16 on its tiles. Built in the same extension as the AVX2 code; only this file's functions below the target
-// pragma use AVX-512 and AMX, and quant_matmul.cpp calls them where the CPU has them. No ATen code is instantiated here, so nothing AVX-512 can leak into shared inline functions.
+// pragma use AVX-512 and AMX, and quant_matmul.cpp calls them where the CPU has them. No ATen code is instantiated
+// here, so nothing AVX-512 can leak into shared inline functions.
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>

@@ -25,7 +25,8 @@ MAX_KERNEL_ROWS = 16
 # multiply steps of 32 rows or more in bf16 on its tiles themselves (quant_matmul.cpp), a panel of weights
 # dequantized at a time: on a 2-core Xeon 0.29 ms a row at 384 rows and 0.27 at 512, where dequantizing the whole
 # weight for oneDNN's bf16 GEMM took 0.37 and 0.33.
-ANY_ROWS = sys.maxsize  # kernel_rows where every step multiplies in place (so a row's numbers never depend on its step)
+# kernel_rows where every step multiplies in place (so, but on AMX, a row's numbers never depend on its step)
+ANY_ROWS = sys.maxsize
 # For a few rows against a wide weight, MKL's x @ W^T takes a slow path (4 rows x the 49152-wide head: 42 ms),
 # while W @ x^T, the same numbers, is fast (9 ms); past this many rows x @ W^T catches up. Not on CUDA, where
 # W @ x^T cost a copy kernel per linear for its transpose (an H200's graphed SmolLM2-shape decode step: 2.08 ms
