@@ -242,6 +242,23 @@ def test_greedy_copying_equals_plain_decoding(smollm2, smollm2_ngram):
     assert smollm2_ngram.engine.kv_manager.pool.num_used == 0
 
 
+def test_guess_chains_run_whole_with_their_one_token_steps_numbers(smollm2, smollm2_ngram):
+    """A decode step whose guesses form a chain runs whole (one native call: each guess a row through the layer
+    stack and the head), and each kept token's logprobs are bit for bit the plain engine's one-token steps'."""
+    backend, rows = smollm2_ngram.engine.runner.backend, []
+    decode = backend.decode
+    backend.decode = lambda tokens, positions, tables: rows.append(len(tokens)) or decode(tokens, positions, tables)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
+        plain, spec = smollm2.chat(COPY, params)[0], smollm2_ngram.chat(COPY, params)[0]
+    finally:
+        del backend.decode
+    assert max(rows) == 5 and spec.metrics.num_accepted_tokens > 0  # the newest token and k=4 guesses
+    assert len(rows) < len(spec.outputs[0].token_ids) - 1  # a step a token, less the guesses kept
+    for a, b in zip(plain.outputs[0].logprobs, spec.outputs[0].logprobs, strict=True):
+        assert a.token_id == b.token_id and a.logprob == b.logprob and a.top == b.top
+
+
 def test_greedy_batched_with_prefix_hits_and_stops_equals_plain_decoding(smollm2, smollm2_ngram):
     prompts = [smollm2.apply_chat_template(COPY), "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(",
                "Once upon a time", smollm2.apply_chat_template(COPY)]  # the last one hits the first one's blocks

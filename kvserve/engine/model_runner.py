@@ -193,8 +193,12 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, whole: bool = False) -> StepInputs:
         """The step's inputs: a step of plain decodes takes a short cut to the same ones. `whole`: where the backend
         can run such a step whole (one native call, the embedding to the logits), only its tokens, positions and
-        block tables (StepInputs.whole)."""
-        return self._prepare_decodes(batch, whole) if _plain_decodes(batch) else self._prepare_any(batch)
+        block tables (StepInputs.whole), its guesses' rows too."""
+        if not _plain_decodes(batch):
+            return self._prepare_any(batch)
+        if any(s.draft_token_ids for s in batch.seqs):
+            return (self._whole_chains(batch) if whole else None) or self._prepare_any(batch)
+        return self._prepare_decodes(batch, whole)
 
     def _prepare_any(self, batch: ScheduledBatch) -> StepInputs:
         """The inputs of any step. The index arithmetic runs in NumPy (a decode step's dozens of tiny array ops cost a
@@ -248,9 +252,25 @@ class ModelRunner:
                           [(i, index.to(dev), targets) for i, index, targets in prompt_rows if len(index)],
                           [np.flatnonzero(rows).tolist() for rows in selections])
 
+    def _whole_chains(self, batch: ScheduledBatch) -> StepInputs | None:
+        """A step of plain decodes with chains of guesses, run whole: each guess a row of its own after its
+        sequence's newest token, at the next position, over the same blocks, as the one-token step it stands for
+        would compute it (a verifying step through the layer stack, then a head call, took ~0.5 ms more at 2-6 rows
+        on a 3 ms step: docs/speculative.md); None past the rows the backend runs whole."""
+        seqs = batch.seqs
+        counts = [1 + len(s.draft_token_ids) for s in seqs]
+        if sum(counts) > self.backend.decode_rows:
+            return None
+        tokens = [t for s in seqs for t in [s.token_ids[s.num_computed_tokens], *s.draft_token_ids]]
+        positions = [s.num_slots + j for s, n in zip(seqs, counts) for j in range(n)]
+        tables = np.repeat(_batch_tables(seqs), counts, axis=1)
+        rows = list(range(len(seqs)))
+        return StepInputs(None, None, None, rows, [], [rows], (tokens, positions, tables))
+
     def _prepare_decodes(self, batch: ScheduledBatch, whole: bool = False) -> StepInputs:
-        """prepare's inputs for a step of plain decodes (_plain_decodes), with a fraction of its array work: a batch-1
-        step runs this Python on caches its weights just swept, where each NumPy or torch call costs 10-60 us."""
+        """prepare's inputs for a step of plain decodes without guesses (_plain_decodes), with a fraction of its array
+        work: a batch-1 step runs this Python on caches its weights just swept, where each NumPy or torch call costs
+        10-60 us."""
         bs, dev, seqs = self.config.block_size, self.device, batch.seqs
         tokens, starts = [s.token_ids[s.num_computed_tokens] for s in seqs], [s.num_slots for s in seqs]
         tables = _batch_tables(seqs)
@@ -268,10 +288,17 @@ class ModelRunner:
 
 
 def _plain_decodes(batch: ScheduledBatch) -> bool:
-    """Whether every sequence of the step computes one token of its own, in place (no guesses, KV policy, prompt
-    scoring or padding): a decode step's usual case."""
+    """Whether every sequence of the step computes one token of its own, in place, and any guesses after it as a
+    chain (no tree, KV policy, prompt scoring or padding): a decode step's usual case."""
     return not batch.padding and not batch.rectangular and all(
-        n == 1 and not s.draft_token_ids and s.policy is None and not _scores_prompt(s) for s, n in zip(batch.seqs, batch.num_tokens))
+        s.policy is None and not _scores_prompt(s) and (n == 1 if not s.draft_token_ids else _chain_step(s, n))
+        for s, n in zip(batch.seqs, batch.num_tokens))
+
+
+def _chain_step(seq: Sequence, num_tokens: int) -> bool:
+    """Whether a guessing sequence's step is its newest token and a chain of guesses after it."""
+    guesses = len(seq.draft_token_ids)
+    return num_tokens == 1 + guesses and seq.num_uncomputed_tokens == 1 and seq.guess_parents == chain(guesses)
 
 
 def _scores_prompt(seq: Sequence) -> bool:
