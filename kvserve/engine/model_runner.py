@@ -194,11 +194,7 @@ class ModelRunner:
         """The step's inputs: a step of plain decodes takes a short cut to the same ones. `whole`: where the backend
         can run such a step whole (one native call, the embedding to the logits), only its tokens, positions and
         block tables (StepInputs.whole), its guesses' rows too."""
-        if not _plain_decodes(batch):
-            return self._prepare_any(batch)
-        if any(s.draft_token_ids for s in batch.seqs):
-            return (self._whole_chains(batch) if whole else None) or self._prepare_any(batch)
-        return self._prepare_decodes(batch, whole)
+        return self._prepare_decodes(batch, whole) if _plain_decodes(batch) else self._prepare_any(batch)
 
     def _prepare_any(self, batch: ScheduledBatch) -> StepInputs:
         """The inputs of any step. The index arithmetic runs in NumPy (a decode step's dozens of tiny array ops cost a
@@ -252,31 +248,28 @@ class ModelRunner:
                           [(i, index.to(dev), targets) for i, index, targets in prompt_rows if len(index)],
                           [np.flatnonzero(rows).tolist() for rows in selections])
 
-    def _whole_chains(self, batch: ScheduledBatch) -> StepInputs | None:
-        """A step of plain decodes with chains of guesses, run whole: each guess a row of its own after its
-        sequence's newest token, at the next position, over the same blocks, as the one-token step it stands for
-        would compute it (a verifying step through the layer stack, then a head call, took ~0.5 ms more at 2-6 rows
-        on a 3 ms step: docs/speculative.md); None past the rows the backend runs whole."""
-        seqs = batch.seqs
-        counts = [1 + len(s.draft_token_ids) for s in seqs]
-        if sum(counts) > self.backend.decode_rows:
-            return None
-        tokens = [t for s in seqs for t in [s.token_ids[s.num_computed_tokens], *s.draft_token_ids]]
-        positions = [s.num_slots + j for s, n in zip(seqs, counts) for j in range(n)]
-        tables = np.repeat(_batch_tables(seqs), counts, axis=1)
-        rows = list(range(len(seqs)))
-        return StepInputs(None, None, None, rows, [], [rows], (tokens, positions, tables))
-
     def _prepare_decodes(self, batch: ScheduledBatch, whole: bool = False) -> StepInputs:
-        """prepare's inputs for a step of plain decodes without guesses (_plain_decodes), with a fraction of its array
-        work: a batch-1 step runs this Python on caches its weights just swept, where each NumPy or torch call costs
-        10-60 us."""
+        """prepare's inputs for a step of plain decodes (_plain_decodes), with a fraction of its array work: a batch-1
+        step runs this Python on caches its weights just swept, where each NumPy or torch call costs 10-60 us. Run
+        whole, a chain of guesses is rows of their own after their sequence's newest token, at the next positions,
+        over the same blocks, as the one-token steps they stand for would compute them (through the layer stack,
+        then a head call, a verifying step took ~0.5 ms more at 2-6 rows on a 3 ms step: docs/speculative.md);
+        a step with guesses the backend does not run whole goes to _prepare_any."""
         bs, dev, seqs = self.config.block_size, self.device, batch.seqs
         tokens, starts = [s.token_ids[s.num_computed_tokens] for s in seqs], [s.num_slots for s in seqs]
         tables = _batch_tables(seqs)
         sampling_rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
-        if whole and len(sampling_rows) == len(seqs) <= self.backend.decode_rows:  # no torch or NumPy calls beyond the tables
+        guesses = [s.draft_token_ids for s in seqs]
+        if any(guesses):
+            counts = [1 + len(g) for g in guesses]
+            tokens = [t for token, g in zip(tokens, guesses) for t in [token, *g]]
+            starts = [start + j for start, n in zip(starts, counts) for j in range(n)]
+            tables = np.repeat(tables, counts, axis=1)
+        # run whole: no torch or NumPy calls beyond the tables
+        if whole and len(sampling_rows) == len(seqs) and len(tokens) <= self.backend.decode_rows:
             return StepInputs(None, None, None, sampling_rows, [], [sampling_rows], (tokens, starts, tables))
+        if any(guesses):
+            return self._prepare_any(batch)
         input_ids, starts = torch.tensor(tokens).to(dev), np.array(starts)  # each token's position and slot in the cache
         rows, ones = np.arange(len(seqs)), np.ones(len(seqs), dtype=np.int64)
         slot_mappings = [torch.from_numpy(t[rows, starts // bs] * bs + starts % bs).to(dev) for t in tables]
