@@ -10,6 +10,9 @@ kvserve's ms per token (after the prompt, and after --long-context tokens) by th
 model file's bytes once (`torch.ones(n // 4).sum()`), timed just before and after that decode: decode reads every
 weight once a token, so 1.0 is the memory limit (llama.cpp reaches ~2.3 on a 2-core AVX2 EPYC; issue 16's target is
 1.5). Beside each, the median step's overhead: its wall time minus the time inside the matmul and attention kernels.
+A step reads its context's K and V too (46 MB at 2,000 tokens, half the weights), and a set of bytes that outgrows
+the CPU's cache reads slower, so a second line divides by the time to read the weights and that KV together, with
+the attention kernel's share of the step.
 
     python bench/decode.py [--model smollm2-135m] [--prompt-len 128] [--new-tokens 128] [--long-context 2000]
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -31,33 +35,54 @@ DEVICE = EngineConfig().torch_device  # kvserve's default device: transformers r
 LLAMA_CPP_2K = 35  # llama.cpp's SmolLM2 Q4_1 decode at 2,000 tokens of context, tok/s, as quoted in issue 16
 
 
-def kvserve_decode(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, list[float], list[float]]:
-    """Decode tokens/s, and the wall time of each step by position in the output and the part of it spent outside
-    the memory-bound kernels (quantized matmuls, decode attention; kernels.kernel_seconds: 0 without them)."""
+@dataclass
+class Decode:
+    tokens_per_s: float
+    step_times: list[float]  # each step's wall time, by position in the output
+    overheads: list[float]  # the part of each spent outside the memory-bound kernels (quantized matmuls, attention)
+    attention: list[float]  # the part of each spent in decode attention
+
+
+def kvserve_decode(llm: LLM, prompt: list[int], new_tokens: int) -> Decode:
+    """Decode `new_tokens` greedily after `prompt`; the kernels' times are 0 without them."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    kernel_seconds = native_ops().kernel_seconds if native_ops() is not None and llm.engine.runner.native else lambda: 0.0
-    step_times, overheads, last = [], [], None
+    ops = native_ops() if llm.engine.runner.native else None
+    kernel_seconds = (lambda: (ops.kernel_seconds(), ops.attention_seconds())) if ops is not None else lambda: (0.0, 0.0)
+    decode, last = Decode(0.0, [], [], []), None
     for out in llm.stream(prompt, params):
-        now, kernels = time.perf_counter(), kernel_seconds()
+        now, (kernels, attention) = time.perf_counter(), kernel_seconds()
         if last is not None:
-            step_times.append(now - last[0])
-            overheads.append(now - last[0] - (kernels - last[1]))
-        last = now, kernels
-    return out.metrics.decode_tokens_per_s, step_times, overheads
+            decode.step_times.append(now - last[0])
+            decode.overheads.append(now - last[0] - (kernels - last[1]))
+            decode.attention.append(attention - last[2])
+        last = now, kernels, attention
+    decode.tokens_per_s = out.metrics.decode_tokens_per_s
+    return decode
 
 
-def _cached_decode(model: str, prompts: list[list[int]], new_tokens: int, native_kernels: bool,
-                   nbytes: int) -> tuple[str, list[tuple[float, float, float]]]:
-    """The KV cache's dtype, and (tok/s, median per-step overhead in seconds, ms to read `nbytes` once) per prompt.
-    The read is timed just before and just after each decode (the mean of the two): memory bandwidth on a shared
-    machine drifts within seconds, so a read timed elsewhere in the run can be far from the one the decode had."""
+@dataclass
+class Cached:
+    tokens_per_s: float
+    overhead: float  # the median step's, seconds
+    attention: float  # the median step's time in decode attention, seconds
+    kv_bytes: int  # the KV a step reads, halfway through the decode
+    read: float  # ms to read the weights once
+    read_with_kv: float  # ms to read the weights and kv_bytes more once
+
+
+def _cached_decode(model: str, prompts: list[list[int]], new_tokens: int, native_kernels: bool, nbytes: int) -> tuple[str, list[Cached]]:
+    """The KV cache's dtype, and each prompt's decode. The reads are timed just before and just after each decode
+    (the mean of the two): memory bandwidth on a shared machine drifts within seconds, so a read timed elsewhere in
+    the run can be far from the one the decode had."""
     llm = LLM(model, native_kernels=native_kernels)
     kvserve_decode(llm, prompts[0], 8)  # warm-up
     results = []
     for p in prompts:
-        before = read_ms(nbytes)
-        rate, _, overheads = kvserve_decode(llm, p, new_tokens)
-        results.append((rate, statistics.median(overheads), (before + read_ms(nbytes)) / 2))
+        kv = int(llm.engine.layout.bytes_held(len(p) + new_tokens // 2))
+        before = read_ms(nbytes), read_ms(nbytes + kv)
+        d = kvserve_decode(llm, p, new_tokens)
+        results.append(Cached(d.tokens_per_s, statistics.median(d.overheads), statistics.median(d.attention), kv,
+                              (before[0] + read_ms(nbytes)) / 2, (before[1] + read_ms(nbytes + kv)) / 2))
     return llm.engine.layout.dtype_name, results
 
 
@@ -106,11 +131,12 @@ def main() -> None:
 
     path = resolve_model_path(args.model)
     nbytes = weight_bytes(path)
-    (kv, cached), (_, ((fp32_weights, _, _),)) = (_cached_decode(args.model, prompts, args.new_tokens, True, nbytes),
-                                                  _cached_decode(args.model, prompts[:1], args.new_tokens, False, nbytes))
-    with_cache = cached[0][0]
+    (kv, cached), (_, (plain,)) = (_cached_decode(args.model, prompts, args.new_tokens, True, nbytes),
+                                   _cached_decode(args.model, prompts[:1], args.new_tokens, False, nbytes))
+    with_cache, fp32_weights = cached[0].tokens_per_s, plain.tokens_per_s
     recompute = LLM(args.model, use_kv_cache=False, max_num_batched_tokens=args.prompt_len + args.new_tokens)
-    no_cache, steps, _ = kvserve_decode(recompute, prompts[0], args.new_tokens)
+    recomputed = kvserve_decode(recompute, prompts[0], args.new_tokens)
+    no_cache, steps = recomputed.tokens_per_s, recomputed.step_times
     del recompute
     hf = transformers_decode(path, prompts[0], args.new_tokens)
 
@@ -128,12 +154,15 @@ def main() -> None:
     print(f"ratio kvserve cache / transformers: {with_cache / hf:.2f}x")
     print(f"ratio kvserve cache / no_cache:     {with_cache / no_cache:.2f}x")
     print(f"ratio native kernels / plain torch: {with_cache / fp32_weights:.2f}x")
-    for context, (rate, extra, read) in zip((args.prompt_len, args.long_context), cached):
-        print(f"roofline at {context:5d} tokens of context: {1000 / rate:6.2f} ms/token ({rate:5.1f} tok/s) = "
-              f"{1000 / rate / read:.2f}x the weight read (reading the model's {nbytes / 1e6:.0f} MB once: {read:.2f} ms, "
-              f"timed around this decode; target <= 1.5); per-step overhead outside the kernels {extra * 1000:.2f} ms (target < 1.5)")
+    for context, c in zip((args.prompt_len, args.long_context), cached):
+        ms = 1000 / c.tokens_per_s
+        print(f"roofline at {context:5d} tokens of context: {ms:6.2f} ms/token ({c.tokens_per_s:5.1f} tok/s) = "
+              f"{ms / c.read:.2f}x the weight read (reading the model's {nbytes / 1e6:.0f} MB once: {c.read:.2f} ms, "
+              f"timed around this decode; target <= 1.5); per-step overhead outside the kernels {c.overhead * 1000:.2f} ms (target < 1.5)")
+        print(f"  with its KV ({c.kv_bytes / 1e6:.0f} MB halfway, {kv}): {ms / c.read_with_kv:.2f}x reading the weights and the KV once "
+              f"({(nbytes + c.kv_bytes) / 1e6:.0f} MB: {c.read_with_kv:.2f} ms); decode attention {c.attention * 1000:.2f} ms of the step")
     if args.model == "smollm2-135m" and args.long_context == 2000:  # the context llama.cpp's figure was measured at
-        long_rate = cached[1][0]
+        long_rate = cached[1].tokens_per_s
         print(f"at {args.long_context} tokens: {long_rate:.1f} tok/s beside llama.cpp's {LLAMA_CPP_2K} tok/s quoted in issue 16 "
               f"(a 2-core AVX2 EPYC, not this machine): {long_rate / LLAMA_CPP_2K:.2f}x")
 

@@ -159,6 +159,21 @@ def test_kernel_isa_can_be_forced():
         native_ops().set_kernel_isa("sse")
 
 
+def test_kernel_timers_count_attention_apart_from_the_matmuls():
+    """bench/decode.py splits a step's kernel time: attention adds to both counters, a matmul to the kernels' only."""
+    ops = native_ops()
+    cache = torch.randn(64, 16, 2, 64)
+    tables, lens = torch.arange(64).view(1, 64), torch.tensor([1000])
+    kernels, attention = ops.kernel_seconds(), ops.attention_seconds()
+    ops.paged_decode_attention(torch.randn(1, 4, 64), [cache], [cache], tables, lens, 0.125, 0, 0, [], [], 0)
+    spent = ops.attention_seconds() - attention
+    assert spent > 0 and ops.kernel_seconds() - kernels >= spent
+    w, _ = packed(T.Q8_0, 256, 128)
+    kernels, attention = ops.kernel_seconds(), ops.attention_seconds()
+    ops.gguf_matmul(torch.randn(1, 128), w, int(T.Q8_0))
+    assert ops.kernel_seconds() > kernels and ops.attention_seconds() == attention
+
+
 def test_unsupported_type_and_mismatched_rows_are_clear_errors():
     with pytest.raises(RuntimeError, match="GGUF type 10 has no kvserve kernel"):
         native_ops().gguf_pack(torch.zeros(4, 84, dtype=torch.uint8), 10)  # Q2_K

@@ -564,7 +564,7 @@ void prefetch_context(const KVStores& s, int64_t B, const int64_t* tables, int64
 
 void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fresh, int64_t B, int64_t H, const int64_t* tables,
             int64_t W, const int64_t* lens, double scale, int64_t window, const int64_t* hidden, float* out) {
-    const kvt::Scope timed;
+    const kvt::Scope timed{&kvt::attention_ns()};
     const Store &ks = s.k, &vs = s.v, &rks = s.rk, &rvs = s.rv;
     const int64_t D = ks.dim, bs = ks.bs, KVH = ks.kvh, num_main = s.num_main;
     if (fresh != nullptr) {  // the residual pool's slots follow the main pool's

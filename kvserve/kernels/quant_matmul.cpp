@@ -844,6 +844,7 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K, at::Sca
 std::string kernel_isa() { return use_amx ? "amx" : use_avx512 ? "avx512_vnni" : "avx2"; }
 
 double kernel_seconds() { return double(kvt::kernel_ns().load()) * 1e-9; }
+double attention_seconds() { return double(kvt::attention_ns().load()) * 1e-9; }
 
 void set_kernel_isa(const std::string& name) {
     TORCH_CHECK(name == "avx2" || name == "avx512_vnni" || name == "amx", "kernel ISA must be avx2, avx512_vnni or amx, got ", name);
@@ -862,4 +863,5 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("kernel_isa() -> str", &kernel_isa);
     m.def("set_kernel_isa(str name) -> ()", &set_kernel_isa);
     m.def("kernel_seconds() -> float", &kernel_seconds);
+    m.def("attention_seconds() -> float", &attention_seconds);
 }
