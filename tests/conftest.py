@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvserve import LLM
+from kvserve.kernels import native_ops
 
 # `make test` runs a worker a core (pytest-xdist): more threads than cores would leave OpenMP's threads spinning
 # at their barriers for a core the other worker holds (2 workers x 2 threads on 2 cores: no faster than 1 process)
@@ -15,6 +16,19 @@ if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
 
 if not torch.cuda.is_available():  # the CUDA backend's Triton kernels run (slowly, exactly) on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ALL_ISAS = ["avx2", "avx512_vnni", "amx"]  # each one's CPUs run those before it
+ISAS = ALL_ISAS[:ALL_ISAS.index(native_ops().kernel_isa() if native_ops() is not None else "avx2") + 1]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each kernel instruction set this CPU runs (the lesser ones forced)."""
+    before = native_ops().kernel_isa()
+    native_ops().set_kernel_isa(request.param)
+    yield request.param
+    native_ops().set_kernel_isa(before)
+
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)

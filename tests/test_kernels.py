@@ -15,8 +15,6 @@ from tests.conftest import FP32, assert_fused_paths_agree, greedy
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
-ALL_ISAS = ["avx2", "avx512_vnni", "amx"]  # each one's CPUs run those before it
-ISAS = ALL_ISAS[:ALL_ISAS.index(native_ops().kernel_isa() if native_ops() is not None else "avx2") + 1]
 
 
 def random_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -40,15 +38,6 @@ def packed(qtype, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, to
     blocks = random_blocks(qtype, rows, cols, seed)
     values = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
     return native_ops().gguf_pack(torch.from_numpy(blocks), int(qtype)), values
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Each kernel instruction set this CPU runs (the lesser ones forced)."""
-    before = native_ops().kernel_isa()
-    native_ops().set_kernel_isa(request.param)
-    yield request.param
-    native_ops().set_kernel_isa(before)
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:

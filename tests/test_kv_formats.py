@@ -116,13 +116,14 @@ def test_bad_kv_dtypes_are_clear_errors(tiny_model_dir):
 SPEC = ModelSpec("attn", num_layers=1, hidden_size=256, num_heads=6, num_kv_heads=2, head_dim=64, intermediate_size=1, vocab_size=1)
 LENS = [1, 15, 16, 17, 40]  # ragged, ending before, on and after block boundaries
 BS = 16
+NUM_BLOCKS = 24
 
 
 def _filled_cache(k_dtype: str, v_dtype: str) -> tuple[KVCache, list[torch.Tensor]]:
     """A cache holding random K/V for sequences of LENS tokens in scattered blocks (kivi2: packed, with
     the newest 16 tokens still in residual blocks)."""
     layout = build_layout(SPEC, k_dtype, v_dtype, BS, residual_tokens=16, residual_dtype="float16")  # as the engine keeps it
-    num_blocks, num_residual = 24, 24
+    num_blocks, num_residual = NUM_BLOCKS, 24
     cache = KVCache(layout, num_blocks, num_residual if layout.has_residual else 0, torch.float32)
     order = torch.randperm(num_blocks, generator=G).tolist()
     tables = []
@@ -157,7 +158,7 @@ DTYPES = [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16
 
 @pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
 @pytest.mark.parametrize("k_dtype,v_dtype", DTYPES, ids=lambda d: d)
-def test_native_decode_equals_attention_over_dequantized_copy(k_dtype, v_dtype):
+def test_native_decode_equals_attention_over_dequantized_copy(k_dtype, v_dtype, isa):
     cache, tables = _filled_cache(k_dtype, v_dtype)
     lens = torch.tensor(LENS)
     q = torch.randn(len(LENS), 6, 64, generator=G)
@@ -166,6 +167,22 @@ def test_native_decode_equals_attention_over_dequantized_copy(k_dtype, v_dtype):
     out = NativeCPUBackend(cache).attend(0, 0, q, group, 1 / 8)
     for b, n in enumerate(LENS):
         torch.testing.assert_close(out[b], _reference(cache, tables[b], q[b:b + 1], [n - 1])[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
+@pytest.mark.parametrize("k_dtype,v_dtype", [("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"), ("int8", "int8"), ("int4", "int4"),
+                                             ("int8", "int4")], ids=lambda d: d)
+def test_native_decode_reads_codes_as_the_values_they_dequantize_to(k_dtype, v_dtype, isa):
+    """Whether the kernel widens a block's codes in registers (AVX-512) or dequantizes them into a buffer first, it reads
+    the values the format dequantizes to: its output is bit for bit its output over a float32 copy of them."""
+    cache, tables = _filled_cache(k_dtype, v_dtype)
+    copy = KVCache(build_layout(SPEC, "float32", "float32", BS), NUM_BLOCKS, 0, torch.float32)
+    for store, values in zip((copy.k, copy.v), cache.gather(0, torch.arange(NUM_BLOCKS)[None])):
+        store[0]["data"].copy_(values.view(store[0]["data"].shape))
+    q, lens = torch.randn(len(LENS), 6, 64, generator=G), torch.tensor(LENS)
+    out, expected = (native_ops().paged_decode_attention(q, s[0], s[1], torch.stack(tables), lens, 1 / 8, *s[2:])
+                     for s in (NativeCPUBackend(c).stores[0] for c in (cache, copy)))
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")

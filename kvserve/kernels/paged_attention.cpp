@@ -29,11 +29,11 @@
 namespace kvq {
 bool avx512_enabled();  // quant_matmul.cpp: the CPU has AVX-512 VNNI and KVSERVE_ISA does not force AVX2
 }
-namespace kva {  // paged_attention_avx512.cpp: float rows of format 0-2, head_dim a multiple of 64
-void scores_avx512(int format, const float* q, int64_t heads, const void* k, const int64_t* rows, int64_t n, int64_t D, float scale,
-                   float* out, int64_t out_stride);  // heads: 1-3 of one KV head (a head_runs run)
-void values_avx512(int format, const float* p, int64_t p_stride, int64_t heads, const void* v, const int64_t* rows, int64_t n, int64_t D,
-                   float* out, int64_t out_stride);
+namespace kva {  // paged_attention_avx512.cpp: rows of formats 0-6 (meta: their scales), head_dim a multiple of 64
+void scores_avx512(int format, const float* q, int64_t heads, const void* k, const uint16_t* meta, const int64_t* rows, int64_t n, int64_t D,
+                   float scale, float* out, int64_t out_stride);  // heads: 1-3 of one KV head (a head_runs run)
+void values_avx512(int format, const float* p, int64_t p_stride, int64_t heads, const void* v, const uint16_t* meta, const int64_t* rows, int64_t n,
+                   int64_t D, float* out, int64_t out_stride);
 }  // namespace kva
 
 namespace {
@@ -51,9 +51,20 @@ inline __m256 load8(const Half16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(re
 inline __m256 load8(const Brain16* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
-constexpr int format_of(const float*) { return F32; }
-constexpr int format_of(const Half16*) { return F16; }
-constexpr int format_of(const Brain16*) { return BF16; }
+// Where a block's rows lie for the kernels: the values of a store (or a buffer) in a format, with its fp16 scales.
+struct Source {
+    int format;
+    const void* data;
+    const uint16_t* meta;
+};
+
+// f(the values as the typed pointer load8 reads) for a float Source.
+template <typename F>
+void with_floats(const Source& src, F&& f) {
+    if (src.format == F32) f(static_cast<const float*>(src.data));
+    else if (src.format == F16) f(static_cast<const Half16*>(src.data));
+    else f(static_cast<const Brain16*>(src.data));
+}
 
 inline float load1(const float* p) { return *p; }
 inline float load1(const Half16* p) { return _cvtsh_ss(p->bits); }
@@ -621,26 +632,25 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
         std::vector<float> scores(H * stride), buffer(bs * D), cscale(D), cmin(D);
         std::vector<int64_t> rows(bs);
         // Rows o.. o + n - 1 of block `id` of K or V (main store m, residual store r) for head g, at slots t.., handed to
-        // f as a typed pointer with `rows` + o and their count: float caches where they lie, other formats dequantized
-        // into `buffer`; the rows query b does not see are left out.
+        // f as a Source with `rows` + o and their count: where they lie in any format the kernels widen in registers
+        // (float caches; fp8, int8 and int4 too with AVX-512), others dequantized into `buffer`; the rows query b does
+        // not see are left out.
         auto with_block_rows = [&](const Store& m, const Store& r, int64_t id, int64_t o, int64_t n, int64_t g, int64_t b, int64_t t,
                                    auto&& f) {
             const Store& s = id >= num_main ? r : m;
             if (id >= num_main) id -= num_main;
-            auto pass = [&](const auto* base) {
+            auto pass = [&](const Source& src) {
                 int64_t count = n;
                 if (mask(b) != 0) {
                     count = 0;
                     for (int64_t i = 0; i < n; ++i)
                         if (!is_hidden(b, t + i)) rows[o + count++] = rows[o + i];
                 }
-                f(base, count);
+                f(src, count);
             };
-            if (s.format <= BF16) {
+            if (s.format <= BF16 || (wide && s.format <= INT4)) {
                 for (int64_t i = 0; i < o + n; ++i) rows[i] = ((id * bs + i) * KVH + g) * D;
-                if (s.format == F32) pass(reinterpret_cast<const float*>(s.data));
-                else if (s.format == F16) pass(reinterpret_cast<const Half16*>(s.data));
-                else pass(reinterpret_cast<const Brain16*>(s.data));
+                pass({s.format, s.data, reinterpret_cast<const uint16_t*>(s.meta)});
                 return;
             }
             if (s.format == INT2_CHANNEL) s.channel_meta(id, g, cscale.data(), cmin.data());
@@ -648,7 +658,7 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                 s.dequant_row(id, i, g, cscale.data(), cmin.data(), buffer.data() + i * D);
                 rows[i] = i * D;
             }
-            pass(static_cast<const float*>(buffer.data()));
+            pass({F32, buffer.data(), nullptr});
         };
         for (int64_t item = begin; item < end; ++item) {
             const int64_t b = std::upper_bound(tasks, tasks + B + 1, item) - tasks - 1;
@@ -665,15 +675,17 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                 s.prefetch(vs, rvs, tp[b * W + t / bs], false);
                 s.touch(ks, rks, tp[b * W + t / bs]);
                 for (int64_t g = 0; g < KVH; ++g)
-                    with_block_rows(ks, rks, tp[b * W + t / bs], o, n, g, b, t, [&](const auto* base, int64_t c) {
+                    with_block_rows(ks, rks, tp[b * W + t / bs], o, n, g, b, t, [&](const Source& src, int64_t c) {
                         float* s = scores.data() + g * G * stride + at;
                         count = c;
                         if (wide)
                             head_runs(G, [&](int64_t h, int64_t m) {
-                                kva::scores_avx512(format_of(base), q + b * q_stride + (g * G + h) * D, m, base, rows.data() + o, c, D,
+                                kva::scores_avx512(src.format, q + b * q_stride + (g * G + h) * D, m, src.data, src.meta, rows.data() + o, c, D,
                                                    float(scale), s + h * stride, stride);
                             });
-                        else kv_head_scores(q + b * q_stride + g * G * D, G, base, rows.data() + o, c, D, float(scale), s, stride);
+                        else with_floats(src, [&](const auto* base) {
+                            kv_head_scores(q + b * q_stride + g * G * D, G, base, rows.data() + o, c, D, float(scale), s, stride);
+                        });
                     });
             }
             for (int64_t h = 0; h < H; ++h) {
@@ -686,11 +698,11 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                 n = std::min(bs - o, t1 - t);
                 s.touch(vs, rvs, tp[b * W + t / bs]);
                 for (int64_t g = 0; g < KVH; ++g)
-                    with_block_rows(vs, rvs, tp[b * W + t / bs], o, n, g, b, t, [&](const auto* base, int64_t c) {
+                    with_block_rows(vs, rvs, tp[b * W + t / bs], o, n, g, b, t, [&](const Source& src, int64_t c) {
                         const float* p = scores.data() + g * G * stride + at;
                         count = c;
-                        if (wide) kva::values_avx512(format_of(base), p, stride, G, base, rows.data() + o, c, D, part + g * G * (D + 2), D + 2);
-                        else kv_head_values(p, stride, G, base, rows.data() + o, c, D, part + g * G * (D + 2), D + 2);
+                        if (wide) kva::values_avx512(src.format, p, stride, G, src.data, src.meta, rows.data() + o, c, D, part + g * G * (D + 2), D + 2);
+                        else with_floats(src, [&](const auto* base) { kv_head_values(p, stride, G, base, rows.data() + o, c, D, part + g * G * (D + 2), D + 2); });
                     });
             }
             if (tasks[b + 1] - tasks[b] == 1) {  // the whole context in one chunk: normalize here, no merge
