@@ -156,7 +156,7 @@ def test_kernel_timers_count_attention_apart_from_the_matmuls():
     kernels, attention = ops.kernel_seconds(), ops.attention_seconds()
     ops.paged_decode_attention(torch.randn(1, 4, 64), [cache], [cache], tables, lens, 0.125, 0, 0, [], [], 0)
     spent = ops.attention_seconds() - attention
-    assert spent > 0 and ops.kernel_seconds() - kernels >= spent
+    assert spent > 0 and ops.kernel_seconds() - kernels >= spent - 1e-9  # the same nanoseconds, in doubles
     w, _ = packed(T.Q8_0, 256, 128)
     kernels, attention = ops.kernel_seconds(), ops.attention_seconds()
     ops.gguf_matmul(torch.randn(1, 128), w, int(T.Q8_0))

@@ -29,11 +29,11 @@
 namespace kvq {
 bool avx512_enabled();  // quant_matmul.cpp: the CPU has AVX-512 VNNI and KVSERVE_ISA does not force AVX2
 }
-namespace kva {  // paged_attention_avx512.cpp: rows of formats 0-6 (meta: their scales), head_dim a multiple of 64
-void scores_avx512(int format, const float* q, int64_t heads, const void* k, const uint16_t* meta, const int64_t* rows, int64_t n, int64_t D,
-                   float scale, float* out, int64_t out_stride);  // heads: 1-3 of one KV head (a head_runs run)
-void values_avx512(int format, const float* p, int64_t p_stride, int64_t heads, const void* v, const uint16_t* meta, const int64_t* rows, int64_t n,
-                   int64_t D, float* out, int64_t out_stride);
+namespace kva {  // paged_attention_avx512.cpp: rows in any format (meta: their scales; channel: per-channel ones), head_dim a multiple of 64
+void scores_avx512(int format, const float* q, int64_t heads, const void* k, const uint16_t* meta, const float* channel, const int64_t* rows,
+                   int64_t n, int64_t D, float scale, float* out, int64_t out_stride);  // heads: 1-3 of one KV head (a head_runs run)
+void values_avx512(int format, const float* p, int64_t p_stride, int64_t heads, const void* v, const uint16_t* meta, const float* channel,
+                   const int64_t* rows, int64_t n, int64_t D, float* out, int64_t out_stride);
 }  // namespace kva
 
 namespace {
@@ -56,6 +56,7 @@ struct Source {
     int format;
     const void* data;
     const uint16_t* meta;
+    const float* channel;  // 2-bit per channel: the block and head's scales, then their minimums
 };
 
 // f(the values as the typed pointer load8 reads) for a float Source.
@@ -629,7 +630,7 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
     partial.resize(tasks[B] * H * (D + 2));
     float *pp = partial.data(), *op = out;
     at::parallel_for(0, tasks[B], 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(H * stride), buffer(bs * D), cscale(D), cmin(D);
+        std::vector<float> scores(H * stride), buffer(bs * D), channel(2 * D);
         std::vector<int64_t> rows(bs);
         // Rows o.. o + n - 1 of block `id` of K or V (main store m, residual store r) for head g, at slots t.., handed to
         // f as a Source with `rows` + o and their count: where they lie in any format the kernels widen in registers
@@ -648,17 +649,17 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                 }
                 f(src, count);
             };
-            if (s.format <= BF16 || (wide && s.format <= INT4)) {
+            if (s.format == INT2_CHANNEL) s.channel_meta(id, g, channel.data(), channel.data() + D);
+            if (s.format <= BF16 || wide) {
                 for (int64_t i = 0; i < o + n; ++i) rows[i] = ((id * bs + i) * KVH + g) * D;
-                pass({s.format, s.data, reinterpret_cast<const uint16_t*>(s.meta)});
+                pass({s.format, s.data, reinterpret_cast<const uint16_t*>(s.meta), channel.data()});
                 return;
             }
-            if (s.format == INT2_CHANNEL) s.channel_meta(id, g, cscale.data(), cmin.data());
             for (int64_t i = 0; i < o + n; ++i) {
-                s.dequant_row(id, i, g, cscale.data(), cmin.data(), buffer.data() + i * D);
+                s.dequant_row(id, i, g, channel.data(), channel.data() + D, buffer.data() + i * D);
                 rows[i] = i * D;
             }
-            pass({F32, buffer.data(), nullptr});
+            pass({F32, buffer.data(), nullptr, nullptr});
         };
         for (int64_t item = begin; item < end; ++item) {
             const int64_t b = std::upper_bound(tasks, tasks + B + 1, item) - tasks - 1;
@@ -680,8 +681,8 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                         count = c;
                         if (wide)
                             head_runs(G, [&](int64_t h, int64_t m) {
-                                kva::scores_avx512(src.format, q + b * q_stride + (g * G + h) * D, m, src.data, src.meta, rows.data() + o, c, D,
-                                                   float(scale), s + h * stride, stride);
+                                kva::scores_avx512(src.format, q + b * q_stride + (g * G + h) * D, m, src.data, src.meta, src.channel, rows.data() + o,
+                                                   c, D, float(scale), s + h * stride, stride);
                             });
                         else with_floats(src, [&](const auto* base) {
                             kv_head_scores(q + b * q_stride + g * G * D, G, base, rows.data() + o, c, D, float(scale), s, stride);
@@ -701,7 +702,7 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                     with_block_rows(vs, rvs, tp[b * W + t / bs], o, n, g, b, t, [&](const Source& src, int64_t c) {
                         const float* p = scores.data() + g * G * stride + at;
                         count = c;
-                        if (wide) kva::values_avx512(src.format, p, stride, G, src.data, src.meta, rows.data() + o, c, D, part + g * G * (D + 2), D + 2);
+                        if (wide) kva::values_avx512(src.format, p, stride, G, src.data, src.meta, src.channel, rows.data() + o, c, D, part + g * G * (D + 2), D + 2);
                         else with_floats(src, [&](const auto* base) { kv_head_values(p, stride, G, base, rows.data() + o, c, D, part + g * G * (D + 2), D + 2); });
                     });
             }

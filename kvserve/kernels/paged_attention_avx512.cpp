@@ -1,9 +1,9 @@
 // The inner loops of paged decode attention with AVX-512, for head_dim a multiple of 64: half the instructions of
 // the AVX2 loops, which is what bounds them. Scores take a K row once for up to three query heads of its KV head,
 // eight keys at a time, and reduce each head's eight partial-sum vectors together; values take a V row once for up
-// to four query heads of its KV head. Rows are read where they lie in any format but the 2-bit ones: float rows
-// widened in registers, fp8, int8 and int4 codes dequantized there as Store::dequant_row does into its buffer
-// (the same values, so the same sums, without the buffer's round trip). Like quant_matmul_avx512.cpp, only this
+// to four query heads of its KV head. Rows are read where they lie in any format: float rows widened in registers,
+// quantized codes dequantized there as Store::dequant_row does into its buffer (the same values, so the same sums,
+// without the buffer's round trip). Like quant_matmul_avx512.cpp, only this
 // file's code below the target pragma uses AVX-512, and paged_attention.cpp calls it where the CPU has it.
 #include <immintrin.h>
 
@@ -18,15 +18,17 @@
 namespace {
 
 // kvserve.kv.formats codes (paged_attention.cpp's Format)
-enum { F32 = 0, F16 = 1, BF16 = 2, E4M3 = 3, E5M2 = 4, INT8 = 5, INT4 = 6 };
+enum { F32 = 0, F16 = 1, BF16 = 2, E4M3 = 3, E5M2 = 4, INT8 = 5, INT4 = 6, INT2_TOKEN = 7, INT2_CHANNEL = 8 };
 constexpr int64_t GROUP = 32;  // values per scale along head_dim
 
-// Values at .. at + 31 of a store (element `at` of row at / D; at a multiple of 32: one group of a quantized
-// format) as two vectors of floats: base is the store's values, meta its fp16 scales (int8: one per group of GROUP
-// values; int4: a scale and a minimum).
+// Values at .. at + 31 of a store, at = row + i (`row`: a row's first element, a multiple of D; i: a multiple of 32,
+// one group of a quantized format), as two vectors of floats: base is the store's values, meta its fp16 scales
+// (int8: one per group of GROUP values; int4, 2-bit per token: a scale and a minimum), channel the block and head's
+// per-channel scales and minimums (2-bit per channel: D of each).
 template <int Format>
-inline void load32(const void* base, const uint16_t* meta, int64_t at, __m512& lo, __m512& hi) {
+inline void load32(const void* base, const uint16_t* meta, const float* channel, int64_t row, int64_t i, int64_t D, __m512& lo, __m512& hi) {
     const uint8_t* bytes = static_cast<const uint8_t*>(base);
+    const int64_t at = row + i;
     if constexpr (Format == F32) {
         lo = _mm512_loadu_ps(static_cast<const float*>(base) + at), hi = _mm512_loadu_ps(static_cast<const float*>(base) + at + 16);
     } else if constexpr (Format == F16 || Format == BF16) {
@@ -54,6 +56,20 @@ inline void load32(const void* base, const uint16_t* meta, int64_t at, __m512& l
         const __m512 scale = _mm512_set1_ps(_cvtsh_ss(meta[at / GROUP]));
         lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes))), scale);
         hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1))), scale);
+    } else if constexpr (Format == INT2_TOKEN || Format == INT2_CHANNEL) {
+        // a group's 32 codes in 8 bytes, byte j holding values j, j + 8, j + 16, j + 24 from its low bits up
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + at / 4));
+        const __m512i twice = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b, b)), three = _mm512_set1_epi32(3);
+        const __m512i low = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        const __m512 u0 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(twice, low), three));
+        const __m512 u1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(twice, _mm512_add_epi32(low, _mm512_set1_epi32(4))), three));
+        if constexpr (Format == INT2_TOKEN) {
+            const __m512 scale = _mm512_set1_ps(_cvtsh_ss(meta[at / GROUP * 2])), minimum = _mm512_set1_ps(_cvtsh_ss(meta[at / GROUP * 2 + 1]));
+            lo = _mm512_fmadd_ps(u0, scale, minimum), hi = _mm512_fmadd_ps(u1, scale, minimum);
+        } else {
+            lo = _mm512_fmadd_ps(u0, _mm512_loadu_ps(channel + i), _mm512_loadu_ps(channel + D + i));
+            hi = _mm512_fmadd_ps(u1, _mm512_loadu_ps(channel + i + 16), _mm512_loadu_ps(channel + D + i + 16));
+        }
     } else {  // INT4: a group's 32 codes in 16 bytes, byte j holding value j (low nibble) and j + 16 (high nibble)
         const int64_t group = at / GROUP;
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + group * (GROUP / 2))), mask = _mm_set1_epi8(0x0F);
@@ -81,8 +97,8 @@ inline __m256 reduce8(__m512 v[8]) {
 // row is loaded and widened once for all G (3 heads x 8 keys: 24 accumulators of the 32 registers). The last keys
 // take a reduction each, in the same order: a key's score does not depend on the run it falls in.
 template <int Format, int G>
-void heads_scores(const float* q, const void* k, const uint16_t* meta, const int64_t* rows, int64_t n, int64_t D, float scale, float* out,
-                  int64_t stride) {
+void heads_scores(const float* q, const void* k, const uint16_t* meta, const float* channel, const int64_t* rows, int64_t n, int64_t D,
+                  float scale, float* out, int64_t stride) {
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
         __m512 acc[G][8];
@@ -91,7 +107,7 @@ void heads_scores(const float* q, const void* k, const uint16_t* meta, const int
         for (int64_t i = 0; i < D; i += 32)
             for (int j = 0; j < 8; ++j) {
                 __m512 lo, hi;
-                load32<Format>(k, meta, rows[t + j] + i, lo, hi);
+                load32<Format>(k, meta, channel, rows[t + j], i, D, lo, hi);
                 for (int h = 0; h < G; ++h) acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + i), lo, acc[h][j]);
                 for (int h = 0; h < G; ++h) acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + i + 16), hi, acc[h][j]);
             }
@@ -101,7 +117,7 @@ void heads_scores(const float* q, const void* k, const uint16_t* meta, const int
         for (int64_t u = t; u < n; ++u) {
             __m512 acc = _mm512_setzero_ps(), lo, hi;
             for (int64_t i = 0; i < D; i += 32) {
-                load32<Format>(k, meta, rows[u] + i, lo, hi);
+                load32<Format>(k, meta, channel, rows[u], i, D, lo, hi);
                 acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + i + 16), hi, _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + i), lo, acc));
             }
             out[h * stride + u] = _mm512_reduce_add_ps(acc) * scale;
@@ -110,15 +126,15 @@ void heads_scores(const float* q, const void* k, const uint16_t* meta, const int
 
 // out[h] += sum_t p[h][t] V[t] for Heads heads, 64 columns at a time.
 template <int Format, int Heads>
-void values(const float* p, int64_t p_stride, const void* v, const uint16_t* meta, const int64_t* rows, int64_t n, int64_t D, float* out,
-            int64_t out_stride) {
+void values(const float* p, int64_t p_stride, const void* v, const uint16_t* meta, const float* channel, const int64_t* rows, int64_t n,
+            int64_t D, float* out, int64_t out_stride) {
     for (int64_t c0 = 0; c0 < D; c0 += 64) {
         __m512 acc[Heads][4];
         for (int h = 0; h < Heads; ++h)
             for (int r = 0; r < 4; ++r) acc[h][r] = _mm512_loadu_ps(out + h * out_stride + c0 + 16 * r);
         for (int64_t t = 0; t < n; ++t) {
             __m512 vt[4];
-            load32<Format>(v, meta, rows[t] + c0, vt[0], vt[1]), load32<Format>(v, meta, rows[t] + c0 + 32, vt[2], vt[3]);
+            load32<Format>(v, meta, channel, rows[t], c0, D, vt[0], vt[1]), load32<Format>(v, meta, channel, rows[t], c0 + 32, D, vt[2], vt[3]);
             for (int h = 0; h < Heads; ++h) {
                 const __m512 ph = _mm512_set1_ps(p[h * p_stride + t]);
                 for (int r = 0; r < 4; ++r) acc[h][r] = _mm512_fmadd_ps(ph, vt[r], acc[h][r]);
@@ -139,7 +155,9 @@ void with_format(int format, F&& f) {
         case E4M3: return f(std::integral_constant<int, E4M3>{});
         case E5M2: return f(std::integral_constant<int, E5M2>{});
         case INT8: return f(std::integral_constant<int, INT8>{});
-        default: return f(std::integral_constant<int, INT4>{});
+        case INT4: return f(std::integral_constant<int, INT4>{});
+        case INT2_TOKEN: return f(std::integral_constant<int, INT2_TOKEN>{});
+        default: return f(std::integral_constant<int, INT2_CHANNEL>{});
     }
 }
 
@@ -147,26 +165,28 @@ void with_format(int format, F&& f) {
 
 namespace kva {
 
-void scores_avx512(int format, const float* q, int64_t heads, const void* k, const uint16_t* meta, const int64_t* rows, int64_t n, int64_t D,
-                   float scale, float* out, int64_t out_stride) {
+void scores_avx512(int format, const float* q, int64_t heads, const void* k, const uint16_t* meta, const float* channel, const int64_t* rows,
+                   int64_t n, int64_t D, float scale, float* out, int64_t out_stride) {
     with_format(format, [&](auto f) {
-        if (heads == 3) heads_scores<decltype(f)::value, 3>(q, k, meta, rows, n, D, scale, out, out_stride);
-        else if (heads == 2) heads_scores<decltype(f)::value, 2>(q, k, meta, rows, n, D, scale, out, out_stride);
-        else heads_scores<decltype(f)::value, 1>(q, k, meta, rows, n, D, scale, out, out_stride);
+        constexpr int F = decltype(f)::value;
+        if (heads == 3) heads_scores<F, 3>(q, k, meta, channel, rows, n, D, scale, out, out_stride);
+        else if (heads == 2) heads_scores<F, 2>(q, k, meta, channel, rows, n, D, scale, out, out_stride);
+        else heads_scores<F, 1>(q, k, meta, channel, rows, n, D, scale, out, out_stride);
     });
 }
 
-void values_avx512(int format, const float* p, int64_t p_stride, int64_t heads, const void* v, const uint16_t* meta, const int64_t* rows, int64_t n,
-                   int64_t D, float* out, int64_t out_stride) {
+void values_avx512(int format, const float* p, int64_t p_stride, int64_t heads, const void* v, const uint16_t* meta, const float* channel,
+                   const int64_t* rows, int64_t n, int64_t D, float* out, int64_t out_stride) {
     with_format(format, [&](auto f) {
+        constexpr int F = decltype(f)::value;
         for (int64_t h = 0; h < heads; h += 4) {
             const float* ph = p + h * p_stride;
             float* oh = out + h * out_stride;
             switch (std::min<int64_t>(4, heads - h)) {
-                case 1: values<decltype(f)::value, 1>(ph, p_stride, v, meta, rows, n, D, oh, out_stride); break;
-                case 2: values<decltype(f)::value, 2>(ph, p_stride, v, meta, rows, n, D, oh, out_stride); break;
-                case 3: values<decltype(f)::value, 3>(ph, p_stride, v, meta, rows, n, D, oh, out_stride); break;
-                default: values<decltype(f)::value, 4>(ph, p_stride, v, meta, rows, n, D, oh, out_stride);
+                case 1: values<F, 1>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride); break;
+                case 2: values<F, 2>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride); break;
+                case 3: values<F, 3>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride); break;
+                default: values<F, 4>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride);
             }
         }
     });
