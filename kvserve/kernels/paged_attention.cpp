@@ -2,9 +2,9 @@
 // context_len positions, reading K/V in place through its block table, with no gathered copy and no
 // padding to the longest sequence.
 //
-// K and V may be stored in any kvserve.kv format: float rows (fp32, fp16, bf16), and with AVX-512 fp8, int8 and
-// int4 codes too, are read where they lie and widened in registers; other formats are dequantized a block at a time
-// into a small buffer that stays in L1, so the cache is read at its packed size. Block ids past the main pool name blocks of the residual pool (kivi2's newest tokens, in a float format).
+// K and V may be stored in any kvserve.kv format: float rows (fp32, fp16, bf16), and with AVX-512 every quantized
+// format's codes, are read where they lie and widened in registers; on AVX2 quantized blocks are dequantized a block
+// at a time into a small buffer that stays in L1, so the cache is read at its packed size. Block ids past the main pool name blocks of the residual pool (kivi2's newest tokens, in a float format).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
