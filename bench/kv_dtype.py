@@ -73,7 +73,8 @@ def main() -> None:
     parser.add_argument("--skip-decode", action="store_true", help="only the pool sizes and the KV-bound run")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
-    assert dtypes[0] == "float32", "the first dtype is the baseline: float32"
+    if dtypes[0] != "float32":
+        parser.error(f"--dtypes must start with float32 (the baseline the ratios divide by), got {args.dtypes!r}")
     vocab = LLM(args.model, num_blocks=1).engine.checkpoint.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, vocab, (args.context,), generator=g).tolist()

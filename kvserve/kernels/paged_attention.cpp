@@ -51,7 +51,7 @@ inline __m256 load8(const Half16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(re
 inline __m256 load8(const Brain16* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
-// Where a block's rows lie for the kernels: the values of a store (or a buffer) in a format, with its fp16 scales.
+// Where a block's rows lie for the kernels: the values of a store (or a buffer) in a format, with its scales.
 struct Source {
     int format;
     const void* data;
@@ -633,9 +633,9 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
         std::vector<float> scores(H * stride), buffer(bs * D), channel(2 * D);
         std::vector<int64_t> rows(bs);
         // Rows o.. o + n - 1 of block `id` of K or V (main store m, residual store r) for head g, at slots t.., handed to
-        // f as a Source with `rows` + o and their count: where they lie in any format the kernels widen in registers
-        // (float caches; fp8, int8 and int4 too with AVX-512), others dequantized into `buffer`; the rows query b does
-        // not see are left out.
+        // f as a Source with `rows` + o and their count: where they lie if the kernels widen their format in registers
+        // (float caches; every format with AVX-512), else dequantized into `buffer`; the rows query b does not see are
+        // left out.
         auto with_block_rows = [&](const Store& m, const Store& r, int64_t id, int64_t o, int64_t n, int64_t g, int64_t b, int64_t t,
                                    auto&& f) {
             const Store& s = id >= num_main ? r : m;
@@ -681,8 +681,8 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                         count = c;
                         if (wide)
                             head_runs(G, [&](int64_t h, int64_t m) {
-                                kva::scores_avx512(src.format, q + b * q_stride + (g * G + h) * D, m, src.data, src.meta, src.channel, rows.data() + o,
-                                                   c, D, float(scale), s + h * stride, stride);
+                                kva::scores_avx512(src.format, q + b * q_stride + (g * G + h) * D, m, src.data, src.meta, src.channel,
+                                                   rows.data() + o, c, D, float(scale), s + h * stride, stride);
                             });
                         else with_floats(src, [&](const auto* base) {
                             kv_head_scores(q + b * q_stride + g * G * D, G, base, rows.data() + o, c, D, float(scale), s, stride);
@@ -702,8 +702,9 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                     with_block_rows(vs, rvs, tp[b * W + t / bs], o, n, g, b, t, [&](const Source& src, int64_t c) {
                         const float* p = scores.data() + g * G * stride + at;
                         count = c;
-                        if (wide) kva::values_avx512(src.format, p, stride, G, src.data, src.meta, src.channel, rows.data() + o, c, D, part + g * G * (D + 2), D + 2);
-                        else with_floats(src, [&](const auto* base) { kv_head_values(p, stride, G, base, rows.data() + o, c, D, part + g * G * (D + 2), D + 2); });
+                        float* out = part + g * G * (D + 2);
+                        if (wide) kva::values_avx512(src.format, p, stride, G, src.data, src.meta, src.channel, rows.data() + o, c, D, out, D + 2);
+                        else with_floats(src, [&](const auto* base) { kv_head_values(p, stride, G, base, rows.data() + o, c, D, out, D + 2); });
                     });
             }
             if (tasks[b + 1] - tasks[b] == 1) {  // the whole context in one chunk: normalize here, no merge

@@ -3,8 +3,8 @@
 // eight keys at a time, and reduce each head's eight partial-sum vectors together; values take a V row once for up
 // to four query heads of its KV head. Rows are read where they lie in any format: float rows widened in registers,
 // quantized codes dequantized there as Store::dequant_row does into its buffer (the same values, so the same sums,
-// without the buffer's round trip). Like quant_matmul_avx512.cpp, only this
-// file's code below the target pragma uses AVX-512, and paged_attention.cpp calls it where the CPU has it.
+// without the buffer's round trip). Like quant_matmul_avx512.cpp, only this file's code below the target pragma
+// uses AVX-512, and paged_attention.cpp calls it where the CPU has it.
 #include <immintrin.h>
 
 #include <algorithm>
