@@ -256,20 +256,20 @@ class ModelRunner:
         then a head call, a verifying step took ~0.5 ms more at 2-6 rows on a 3 ms step: docs/speculative.md);
         a step with guesses the backend does not run whole goes to _prepare_any."""
         bs, dev, seqs = self.config.block_size, self.device, batch.seqs
-        tokens, starts = [s.token_ids[s.num_computed_tokens] for s in seqs], [s.num_slots for s in seqs]
-        tables = _batch_tables(seqs)
         sampling_rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
         guesses = [s.draft_token_ids for s in seqs]
-        if any(guesses):
-            counts = [1 + len(g) for g in guesses]
-            tokens = [t for token, g in zip(tokens, guesses) for t in [token, *g]]
-            starts = [start + j for start, n in zip(starts, counts) for j in range(n)]
-            tables = np.repeat(tables, counts, axis=1)
-        # run whole: no torch or NumPy calls beyond the tables
-        if whole and len(sampling_rows) == len(seqs) and len(tokens) <= self.backend.decode_rows:
-            return StepInputs(None, None, None, sampling_rows, [], [sampling_rows], (tokens, starts, tables))
-        if any(guesses):
+        whole = whole and len(sampling_rows) == len(seqs) and sum(batch.num_tokens) <= self.backend.decode_rows
+        if any(guesses) and not whole:
             return self._prepare_any(batch)
+        tokens, starts = [s.token_ids[s.num_computed_tokens] for s in seqs], [s.num_slots for s in seqs]
+        tables = _batch_tables(seqs)
+        if whole:  # no torch or NumPy calls beyond the tables
+            if any(guesses):
+                counts = [1 + len(g) for g in guesses]
+                tokens = [t for token, g in zip(tokens, guesses) for t in [token, *g]]
+                starts = [start + j for start, n in zip(starts, counts) for j in range(n)]
+                tables = np.repeat(tables, counts, axis=1)
+            return StepInputs(None, None, None, sampling_rows, [], [sampling_rows], (tokens, starts, tables))
         input_ids, starts = torch.tensor(tokens).to(dev), np.array(starts)  # each token's position and slot in the cache
         rows, ones = np.arange(len(seqs)), np.ones(len(seqs), dtype=np.int64)
         slot_mappings = [torch.from_numpy(t[rows, starts // bs] * bs + starts % bs).to(dev) for t in tables]
