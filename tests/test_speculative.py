@@ -259,6 +259,26 @@ def test_guess_chains_run_whole_with_their_one_token_steps_numbers(smollm2, smol
         assert a.token_id == b.token_id and a.logprob == b.logprob and a.top == b.top
 
 
+def test_guess_chains_past_the_rows_run_whole_take_the_general_path(smollm2, smollm2_ngram):
+    """A step whose guesses make more rows than the backend runs whole is prepared by _prepare_any alone; the
+    tokens are the plain engine's."""
+    runner = smollm2_ngram.engine.runner
+    backend, whole_rows, general = runner.backend, [], []
+    decode, prepare_any, limit = backend.decode, runner._prepare_any, backend.decode_rows
+    backend.decode = lambda tokens, positions, tables: whole_rows.append(len(tokens)) or decode(tokens, positions, tables)
+    runner._prepare_any = lambda batch: general.append(sum(batch.num_tokens)) or prepare_any(batch)
+    backend.decode_rows = 3
+    try:
+        params = SamplingParams(temperature=0, max_tokens=48)
+        plain, spec = smollm2.chat(COPY, params)[0], smollm2_ngram.chat(COPY, params)[0]
+    finally:
+        del backend.decode, runner._prepare_any
+        backend.decode_rows = limit
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids and spec.metrics.num_accepted_tokens > 0
+    assert max(whole_rows) <= 3 and 5 in general  # k=4 guesses and the newest token: 5 rows, past 3 (and the prompt's step)
+    assert smollm2_ngram.engine.kv_manager.pool.num_used == 0
+
+
 def test_greedy_batched_with_prefix_hits_and_stops_equals_plain_decoding(smollm2, smollm2_ngram):
     prompts = [smollm2.apply_chat_template(COPY), "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(",
                "Once upon a time", smollm2.apply_chat_template(COPY)]  # the last one hits the first one's blocks
