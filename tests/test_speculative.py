@@ -161,9 +161,10 @@ def test_a_model_drafts_gate_is_shared_by_all_sequences():
 
 def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
     """Decode-only steps, timed by batch size: guessing needs two plain steps of its size timed first; every 16
-    guessing steps are judged against the median of the last 3 plain ones (per token); a trial below 90% shuts
-    guessing for as many steps as make its extra time a tenth of theirs; one plain probe every 128 guessing steps
-    keeps the plain timing current. min_speedup=0: no gate."""
+    guessing steps are judged against the median of the last 3 plain ones (per token); a trial below 90% is judged
+    again after two more plain steps, and if it still falls short, shuts guessing for as many steps as make its extra
+    time a tenth of theirs; one plain probe every 128 guessing steps keeps the plain timing current.
+    min_speedup=0: no gate."""
     proposer = NgramProposer(k=4)
     gate = proposer.cost
     assert not proposer.begin_step(1)
@@ -177,22 +178,28 @@ def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
             assert proposer.begin_step(1)
             gate.record(1, True, seconds, tokens[i % len(tokens)])
 
-    def paused(steps: int) -> None:
+    def paused(steps: int, seconds: float = 0.011) -> None:
         for _ in range(steps):
             assert not proposer.begin_step(1)
-            gate.record(1, False, 0.011, 1)
+            gate.record(1, False, seconds, 1)
         assert proposer.begin_step(1)
 
     trial(0.020, [2])  # 10 ms a token: pays
     trial(0.024, [2])  # 12 ms: 0.92x, still above the bar
     trial(0.020, [1, 2])  # 13.3 ms: 0.825x, 16 steps took 3.4 steps' time more
-    paused(34)
+    paused(2 + 34)  # two plain steps at 11 ms, then the pause
     trial(0.040, [1])  # 0.275x: 42 steps more
-    paused(422)
+    paused(2 + 422)
+    trial(0.036, [2])  # 18 ms a token: 0.61x, but the machine slowed down: plain steps take 20 ms now
+    paused(2, seconds=0.020)
+    assert gate.paused == 0
     trial(1.0, [1])
+    for _ in range(2):
+        assert not proposer.begin_step(1)
+        gate.record(1, False, 0.011, 1)
     assert gate.paused == 1024  # at most
     gate.paused = 0
-    for _ in range(128 // 16 - 1):
+    for _ in range(128 // 16):  # since the two plain steps
         trial(0.020, [2])
     assert not proposer.begin_step(1)  # 128 guessing steps since the last plain one: a probe
     gate.record(1, False, 0.011, 1)

@@ -46,20 +46,26 @@ class CostGate:
 
     def __init__(self, min_speedup: int, trial: int = 16, probe_every: int = 128):
         """Every `trial` guessing steps of a batch size, their tokens a second against the median of its last 3
-        plain steps; below min_speedup percent, a pause (OVERHEAD). A batch size's first two steps, and one after
-        every `probe_every` guessing steps (contexts grow, steps slow down), run plain to time it. 0: off. The
-        proposers' 90 lets a CPU's marginal gains be: at 95, noisy trials shut eagle on open prompts (1.02x where
-        it ran at 1.05x ungated); 8-step trials, noisier, kept 2.58 tokens a step of eagle's 2.95 rewriting."""
+        plain steps; below min_speedup percent, two plain steps are timed and the trial judged again against them
+        (a machine that slowed down during the trial slows them too), and if it still falls short, a pause
+        (OVERHEAD). A batch size's first two steps, and one after every `probe_every` guessing steps (contexts
+        grow, steps slow down), run plain to time it. 0: off. The proposers' 90 lets a CPU's marginal gains be: at
+        95, noisy trials shut eagle on open prompts (1.02x where it ran at 1.05x ungated); 8-step trials, noisier,
+        kept 2.58 tokens a step of eagle's 2.95 rewriting. Judged against plain steps timed before it alone, a trial
+        of guesses that were all kept (4 tokens a step) was once shut by a test run beside it."""
         self.min_speedup, self.trial, self.probe_every = min_speedup, trial, probe_every
         self.plain: dict[int, deque[float]] = {}  # batch size -> its recent plain steps' seconds a token
         self.since_plain: dict[int, int] = {}  # batch size -> guessing steps since its last plain one
         self.spent: dict[int, list[float]] = {}  # batch size -> this trial's [seconds, tokens, steps]
+        self.failed: dict[int, list[float]] = {}  # batch size -> a failing trial's [seconds, tokens, plain steps to time]
         self.paused = 0
 
     def begin_step(self, size: int) -> bool:
         """A step with `size` sequences decoding starts: whether they may guess (a pause counts every step)."""
         if self.paused:
             self.paused -= 1
+            return False
+        if size in self.failed:
             return False
         return not self.min_speedup or (len(self.plain.get(size, ())) >= 2 and self.since_plain[size] < self.probe_every)
 
@@ -70,18 +76,32 @@ class CostGate:
         if not guessed:
             self.plain.setdefault(size, deque(maxlen=3)).append(seconds / tokens)
             self.since_plain[size] = 0
+            if size in self.failed:
+                failed = self.failed[size]
+                failed[2] -= 1
+                if not failed[2]:
+                    del self.failed[size]
+                    self._judge(size, failed[0], failed[1], again=True)
             return
         if size not in self.plain:  # the guesses were made for a batch of another size
             return
         self.since_plain[size] += 1
         spent = self.spent.setdefault(size, [0.0, 0, 0])
         spent[0], spent[1], spent[2] = spent[0] + seconds, spent[1] + tokens, spent[2] + 1
-        if spent[2] < self.trial:
+        if spent[2] >= self.trial:
+            del self.spent[size]
+            self._judge(size, spent[0], spent[1], again=False)
+
+    def _judge(self, size: int, seconds: float, tokens: int, again: bool) -> None:
+        """A trial of guessing steps that took `seconds` for `tokens`, against the batch size's recent plain steps."""
+        speedup = statistics.median(self.plain[size]) * tokens / seconds
+        if 100 * speedup >= self.min_speedup:
             return
-        del self.spent[size]
-        speedup = statistics.median(self.plain[size]) * spent[1] / spent[0]
-        if 100 * speedup < self.min_speedup:  # the trial's extra time: at most OVERHEAD of the steps until the next
-            self.paused = min(math.ceil(self.trial * (1 / speedup - 1) / OVERHEAD), MAX_PAUSE)
+        if not again:
+            self.failed[size] = [seconds, tokens, 2]
+            return
+        # the trial's extra time: at most OVERHEAD of the steps until the next
+        self.paused = min(math.ceil(self.trial * (1 / speedup - 1) / OVERHEAD), MAX_PAUSE)
 
 
 def check_ints(**options) -> None:
