@@ -193,8 +193,8 @@ def test_native_decode_reads_codes_as_the_values_they_dequantize_to(k_dtype, v_d
 
 @pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
 @pytest.mark.parametrize("k_dtype,v_dtype", [("int8", "int8"), ("float16", "int8"), ("int8", "float32"), ("int4", "int4"), ("int4", "int8"),
-                                             ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"), ("fp8_e4m3", "float16")],
-                         ids=lambda d: d)
+                                             ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"), ("fp8_e4m3", "float16"),
+                                             ("bfloat16", "float16")], ids=lambda d: d)
 def test_native_decode_writes_new_tokens_as_the_format_quantizes_them(k_dtype, v_dtype):
     """A decode step's new K/V, written by the kernel (float, fp8, int8 and int4 stores), are byte for byte what the format's
     own quantize_tokens writes, so the native and the Python paths leave the same cache."""

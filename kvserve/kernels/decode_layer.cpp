@@ -90,6 +90,12 @@ struct DecodeStep {
     int64_t T, H, D;
     std::vector<at::Tensor> cos, sin, tables, lens, slots;
     c10::optional<at::Tensor> hidden;
+    // their data, read once: each layer's run would otherwise chase every tensor's pointers anew, through caches the
+    // layer before swept
+    std::vector<const float*> cos_at, sin_at;
+    std::vector<const int64_t*> tables_at, lens_at, slots_at;
+    std::vector<int64_t> widths;  // the block tables'
+    const int64_t* hidden_at = nullptr;
 
     DecodeStep(const at::Tensor& x, const std::vector<at::Tensor>& cos_, const std::vector<at::Tensor>& sin_,
                const std::vector<at::Tensor>& tables_, const std::vector<at::Tensor>& lens_, const std::vector<at::Tensor>& slots_,
@@ -106,6 +112,11 @@ struct DecodeStep {
             TORCH_CHECK(tables_[g].dim() == 2 && tables_[g].size(0) == T && slots_[g].numel() == T, "one block table row and slot per row of x");
             tables.push_back(tables_[g].contiguous()), lens.push_back(lens_[g].contiguous()), slots.push_back(slots_[g].contiguous());
         }
+        for (size_t r = 0; r < cos.size(); ++r) cos_at.push_back(cos[r].data_ptr<float>()), sin_at.push_back(sin[r].data_ptr<float>());
+        for (size_t g = 0; g < tables.size(); ++g)
+            tables_at.push_back(tables[g].data_ptr<int64_t>()), lens_at.push_back(lens[g].data_ptr<int64_t>()),
+                slots_at.push_back(slots[g].data_ptr<int64_t>()), widths.push_back(tables[g].size(1));
+        if (hidden.has_value()) hidden_at = hidden->data_ptr<int64_t>();
     }
 
     // TORCH_CHECKs group g's tables, lengths and slots against a layer's stores (a few loads per block table entry).
@@ -122,30 +133,32 @@ struct DecodeStep {
 // A norm over each row of n values, in place, where the layer has it (undefined weight: none).
 struct RowNorm {
     at::Tensor weight;
+    const float* w = nullptr;  // weight's data
     double eps = 0;
 
-    void set(const at::Tensor& w, double e) { weight = w.contiguous(), eps = e; }
+    void set(const at::Tensor& weight_, double e) {
+        weight = weight_.contiguous(), eps = e;
+        w = weight.scalar_type() == at::kFloat ? weight.data_ptr<float>() : nullptr;  // check() names another type
+    }
 
     void check(int64_t n, const char* name) const {
         TORCH_CHECK(!weight.defined() || (weight.scalar_type() == at::kFloat && weight.numel() == n), name, " must be fp32 [", n, "]");
     }
 
     void apply(float* rows, int64_t count, int64_t n, int64_t stride) const {
-        if (!weight.defined()) return;
-        const float* w = weight.data_ptr<float>();
+        if (w == nullptr) return;
         kvp::for_rows(count, [&](int64_t r) { kvp::rms_norm_row(rows + r * stride, w, n, float(eps), rows + r * stride); });
     }
 };
 
 // The MLP block of a decoder layer or a feature draft over T rows of H: y += down(act(gate(n)) * up(n)) with
 // n = rms_norm(y), the MLP's output normed by out_norm first where it has a weight; act is SiLU or GELU-tanh.
-void mlp_rows(float* y, int64_t T, int64_t H, const at::Tensor& norm, double eps, const Linear& gate_up, const Linear& down, bool int8,
+void mlp_rows(float* y, int64_t T, int64_t H, const float* w, double eps, const Linear& gate_up, const Linear& down, bool int8,
               bool gelu, const RowNorm& out_norm) {
     const int64_t I = gate_up.out / 2;
     thread_local std::vector<float> h, gu, act, proj;
     h.resize(T * H), gu.resize(T * 2 * I), act.resize(T * I), proj.resize(T * H);
     float *hp = h.data(), *gp = gu.data(), *ap = act.data(), *pp = proj.data();  // this thread's buffers, for the workers
-    const float* w = norm.data_ptr<float>();
     kvp::for_rows(T, [&](int64_t t) { kvp::rms_norm_row(y + t * H, w, H, float(eps), hp + t * H); });
     gate_up.apply(hp, T, H, int8, gp);
     kvp::for_rows(T, [&](int64_t t) {
@@ -167,6 +180,7 @@ void mlp_rows(float* y, int64_t T, int64_t H, const at::Tensor& norm, double eps
 // before their residual adds (Gemma 3), GELU-tanh instead of SiLU.
 struct DecodeLayer : torch::CustomClassHolder {
     at::Tensor norm1, norm2;
+    const float *norm1_w, *norm2_w;  // their data
     double eps1, eps2, scale;
     Linear qkv, o, gate_up, down;
     bool int8;
@@ -178,7 +192,8 @@ struct DecodeLayer : torch::CustomClassHolder {
                 at::Tensor norm2, double eps2, std::vector<at::Tensor> o, std::vector<int64_t> o_types, c10::optional<at::Tensor> o_bias,
                 std::vector<at::Tensor> gate_up, std::vector<int64_t> gate_up_types, std::vector<at::Tensor> down,
                 std::vector<int64_t> down_types, bool int8_activations, int64_t heads, int64_t kv_heads, double scale)
-        : norm1(norm1.contiguous()), norm2(norm2.contiguous()), eps1(eps1), eps2(eps2), scale(scale), qkv(qkv, qkv_types, qkv_bias),
+        : norm1(norm1.contiguous()), norm2(norm2.contiguous()), norm1_w(this->norm1.data_ptr<float>()),
+          norm2_w(this->norm2.data_ptr<float>()), eps1(eps1), eps2(eps2), scale(scale), qkv(qkv, qkv_types, qkv_bias),
           o(o, o_types, o_bias), gate_up(gate_up, gate_up_types, c10::nullopt), down(down, down_types, c10::nullopt),
           int8(int8_activations), heads(heads), kv_heads(kv_heads) {}
 
@@ -208,8 +223,7 @@ struct DecodeLayer : torch::CustomClassHolder {
         thread_local std::vector<float> h;
         h.resize(T * H);
         float* hp = h.data();  // this thread's buffer, for the workers
-        const float* w = norm1.data_ptr<float>();
-        kvp::for_rows(T, [&](int64_t t) { kvp::rms_norm_row(x + t * H, w, H, float(eps1), hp + t * H); });
+        kvp::for_rows(T, [&](int64_t t) { kvp::rms_norm_row(x + t * H, norm1_w, H, float(eps1), hp + t * H); });
         qkv.apply(hp, T, H, int8, out);
         kvp::for_rows(T, [&](int64_t t) {
             float* row = out + t * qkv.out;
@@ -229,7 +243,7 @@ struct DecodeLayer : torch::CustomClassHolder {
         kvp::for_rows(T, [&](int64_t t) {
             for (int64_t i = t * H; i < (t + 1) * H; ++i) y[i] = x[i] + pp[i];
         });
-        mlp_rows(y, T, H, norm2, eps2, gate_up, down, int8, gelu, mlp_out_norm);
+        mlp_rows(y, T, H, norm2_w, eps2, gate_up, down, int8, gelu, mlp_out_norm);
     }
 
     // The whole layer for T decoding rows, x -> y (may be x): q/k/v, the new K/V written at their slots and attention
@@ -282,9 +296,7 @@ struct DecodeLayer : torch::CustomClassHolder {
 };
 
 void DecodeStep::run(const DecodeLayer& layer, const kva::KVStores& kv, int64_t r, int64_t g, int64_t window, float* y) const {
-    layer.forward_rows(y, T, H, cos[r].data_ptr<float>(), sin[r].data_ptr<float>(), D, kv, tables[g].data_ptr<int64_t>(), tables[g].size(1),
-                       lens[g].data_ptr<int64_t>(), window, slots[g].data_ptr<int64_t>(),
-                       hidden.has_value() ? hidden->data_ptr<int64_t>() : nullptr, y);
+    layer.forward_rows(y, T, H, cos_at[r], sin_at[r], D, kv, tables_at[g], widths[g], lens_at[g], window, slots_at[g], hidden_at, y);
 }
 
 // A model's fused layers bound to their KV stores, with its rotary tables and final norm: a decode step's whole
@@ -463,7 +475,7 @@ struct FeatureDraft : torch::CustomClassHolder {
                 embedding_row(embed, embed_type, H, step == 0 ? first.data_ptr<int64_t>()[b] : guess[b * K + step - 1], in.data() + b * 2 * H);
             }
             fc.apply(in.data(), B, 2 * H, int8, x.data());
-            mlp_rows(x.data(), B, H, norm, eps, gate_up, down, int8, false, RowNorm{});
+            mlp_rows(x.data(), B, H, norm.data_ptr<float>(), eps, gate_up, down, int8, false, RowNorm{});
             for (int64_t b = 0; b < B; ++b)
                 kvp::rms_norm_row(x.data() + b * H, out_norm.data_ptr<float>(), H, float(out_eps), in.data() + b * 2 * H + H);
             for (int64_t b = 0; b < B; ++b) std::copy_n(in.data() + b * 2 * H + H, H, h.data() + b * H);

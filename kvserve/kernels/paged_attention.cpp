@@ -442,6 +442,29 @@ void quantize_fp8_row(const float* x, int64_t D, uint8_t* codes) {
     for (int64_t i = 0; i < D; ++i) codes[i] = F8(std::isnan(x[i]) ? x[i] : std::clamp(x[i], -max, max)).x;
 }
 
+// n floats as float16 (F16C), or bfloat16 (c10::BFloat16's rounding: to nearest even, NaN as 0x7FC0), 8 at a time;
+// the values c10's conversions give, without their per-value branches.
+void store_f16(const float* x, int64_t n, c10::Half* out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    std::copy(x + i, x + n, out + i);
+}
+
+void store_bf16(const float* x, int64_t n, c10::BFloat16* out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256i bits = _mm256_castps_si256(v);
+        const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // the eight low halves in order
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+    }
+    std::copy(x + i, x + n, out + i);
+}
+
 // New tokens' K or V rows (fp32, x + t * t_stride + h * h_stride) written at their rows of a float store (F32, F16
 // or BF16, rounded as torch's .to()), an fp8, int8 or int4 one.
 void write_rows(const Store& store, const float* x, int64_t t_stride, int64_t h_stride, int64_t T, const int64_t* slots, int64_t first) {
@@ -452,8 +475,8 @@ void write_rows(const Store& store, const float* x, int64_t t_stride, int64_t h_
             const int64_t row = (slots[t] - first) * KVH + h, at = row * D;
             void* data = const_cast<uint8_t*>(store.data);
             if (store.format == F32) std::copy(src, src + D, static_cast<float*>(data) + at);
-            else if (store.format == F16) std::copy(src, src + D, static_cast<c10::Half*>(data) + at);
-            else if (store.format == BF16) std::copy(src, src + D, static_cast<c10::BFloat16*>(data) + at);
+            else if (store.format == F16) store_f16(src, D, static_cast<c10::Half*>(data) + at);
+            else if (store.format == BF16) store_bf16(src, D, static_cast<c10::BFloat16*>(data) + at);
             else if (store.format == E4M3) quantize_fp8_row<c10::Float8_e4m3fn>(src, D, static_cast<uint8_t*>(data) + at);
             else if (store.format == E5M2) quantize_fp8_row<c10::Float8_e5m2>(src, D, static_cast<uint8_t*>(data) + at);
             else if (store.format == INT8) quantize_int8_row(src, D, static_cast<int8_t*>(data) + at, const_cast<c10::Half*>(store.meta) + row * (D / GROUP));
@@ -630,8 +653,9 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
     partial.resize(tasks[B] * H * (D + 2));
     float *pp = partial.data(), *op = out;
     at::parallel_for(0, tasks[B], 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(H * stride), buffer(bs * D), channel(2 * D);
-        std::vector<int64_t> rows(bs);
+        thread_local std::vector<float> scores, buffer, channel;  // each written before it is read
+        thread_local std::vector<int64_t> rows;
+        scores.resize(H * stride), buffer.resize(bs * D), channel.resize(2 * D), rows.resize(bs);
         // Rows o.. o + n - 1 of block `id` of K or V (main store m, residual store r) for head g, at slots t.., handed to
         // f as a Source with `rows` + o and their count: where they lie if the kernels widen their format in registers
         // (float caches; every format with AVX-512), else dequantized into `buffer`; the rows query b does not see are
