@@ -455,12 +455,9 @@ void store_bf16(const float* x, int64_t n, c10::BFloat16* out) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 v = _mm256_loadu_ps(x + i);
-        const __m256i bits = _mm256_castps_si256(v);
-        const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF));
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
-        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // the eight low halves in order
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        const __m128i is_nan = _mm_packs_epi32(_mm256_castsi256_si128(nan), _mm256_extracti128_si256(nan, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm_blendv_epi8(bf16_round(v), _mm_set1_epi16(0x7FC0), is_nan));
     }
     std::copy(x + i, x + n, out + i);
 }

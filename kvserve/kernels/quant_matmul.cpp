@@ -216,13 +216,7 @@ void to_panels(int type, const Layout& L, int64_t N, Rows&& rows, uint8_t* out) 
 
 inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
 
-inline void store8(at::BFloat16* out, __m256 v) {  // round to nearest even, as torch's .to(bfloat16)
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
-}
+inline void store8(at::BFloat16* out, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bf16_round(v)); }
 
 // A row-format row's values as fp32 or bf16: s * (c - o), plus m where the type has one (the gguf package's
 // arithmetic: a multiply, then an add, never fused, so the values are bit for bit the package's).

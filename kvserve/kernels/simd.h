@@ -18,6 +18,14 @@ inline __m256 exp_ps(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
 
+// Eight floats as bfloat16, rounded to nearest even as torch's .to(bfloat16) rounds finite values.
+inline __m128i bf16_round(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
 // The sum of a vector's lanes.
 inline float hsum(__m128 s) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
