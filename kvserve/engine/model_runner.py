@@ -120,7 +120,7 @@ class ModelRunner:
         sampling = SamplingBatch([s.params for s, _, _ in rows], [s.generator for s, _, _ in rows], [s.token_ids for s, _, _ in rows],
                                  [s.num_prompt_tokens for s, _, _ in rows], [g for _, _, g in rows], [s.early_stops for s, _, _ in rows])
         index = [i for _, i, _ in rows]
-        if index == list(range(len(logits))):  # in order: no copy
+        if index == list(range(logits.shape[0])):  # in order: no copy
             sampled = sample(logits, sampling, argmax)
         else:
             sampled = sample(logits[index], sampling, None if argmax is None else argmax[index])

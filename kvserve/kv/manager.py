@@ -141,6 +141,8 @@ class KVManager:
 
     def slide(self, seq: Sequence) -> None:
         """Give back the blocks of sliding groups that no query from the next uncomputed token on reads."""
+        if not self.sliding:
+            return
         for table, window in zip(seq.block_tables, self.windows):
             for i in range(min(self._first_needed(seq.num_computed_tokens, window), len(table)) - 1, -1, -1):
                 block_id = int(table[i])

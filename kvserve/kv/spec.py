@@ -51,17 +51,15 @@ class KVLayout:
     residual_format: KVFormat | None = None
     merge: MiniCache | None = None  # layer pairs from merge.start on share one K and one V store (one group only)
     _block_bytes: tuple[int, int] = field(init=False, repr=False, compare=False)  # block_bytes(), block_bytes(residual=True)
+    num_layers: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):  # the engine asks for these figures every step (a request's KV bytes)
         object.__setattr__(self, "_block_bytes", (self._count_block_bytes(False), self._count_block_bytes(True)))
+        object.__setattr__(self, "num_layers", sum(len(g.layers) for g in self.groups))
 
     @property
     def layers_per_group(self) -> int:
         return len(self.groups[0].layers)
-
-    @property
-    def num_layers(self) -> int:
-        return sum(len(g.layers) for g in self.groups)
 
     @property
     def windows(self) -> list[int | None]:
