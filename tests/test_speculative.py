@@ -160,17 +160,20 @@ def test_a_model_drafts_gate_is_shared_by_all_sequences():
 
 
 def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
-    """Decode-only steps, timed by batch size: guessing needs two plain steps of its size timed first; every 16
-    guessing steps are judged against the median of the last 3 plain ones (per token); a trial below 90% is judged
-    again after two more plain steps, and if it still falls short, shuts guessing for as many steps as make its extra
-    time a tenth of theirs; one plain probe every 128 guessing steps keeps the plain timing current.
-    min_speedup=0: no gate."""
+    """Decode-only steps, timed by batch size: guessing needs two plain steps of its size timed first, each after two
+    plain steps of that size in a row (those after a prompt's or a guessing step are not timed); every 16 guessing
+    steps are judged against the median of the last 3 timed plain ones (per token); a trial below 90% is judged again
+    after two more timed plain steps, and if it still falls short, shuts guessing for as many steps as make its extra
+    time a tenth of theirs; a plain probe every 128 guessing steps keeps the plain timing current. min_speedup=0: no
+    gate."""
     proposer = NgramProposer(k=4)
     gate = proposer.cost
-    assert not proposer.begin_step(1)
-    gate.record(1, False, 0.010, 1)
+    for seconds in (0.050, 0.030, 0.010):  # the first two after the prompt's (none before them here): not timed
+        assert not proposer.begin_step(1)
+        gate.record(1, False, seconds, 1)
     assert not proposer.begin_step(1)
     gate.record(1, False, 0.012, 1)  # a median of 11 ms a token
+    assert list(gate.plain[1]) == [0.010, 0.012]
     assert proposer.begin_step(1) and not proposer.begin_step(2)  # each batch size is timed apart
 
     def trial(seconds: float, tokens: list[int]) -> None:
@@ -187,23 +190,30 @@ def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
     trial(0.020, [2])  # 10 ms a token: pays
     trial(0.024, [2])  # 12 ms: 0.92x, still above the bar
     trial(0.020, [1, 2])  # 13.3 ms: 0.825x, 16 steps took 3.4 steps' time more
-    paused(2 + 34)  # two plain steps at 11 ms, then the pause
+    paused(4 + 34)  # two plain steps after the guessing ones, two timed at 11 ms, then the pause
     trial(0.040, [1])  # 0.275x: 42 steps more
-    paused(2 + 422)
+    paused(4 + 422)
     trial(0.036, [2])  # 18 ms a token: 0.61x, but the machine slowed down: plain steps take 20 ms now
-    paused(2, seconds=0.020)
+    paused(4, seconds=0.020)
     assert gate.paused == 0
     trial(1.0, [1])
-    for _ in range(2):
+    for seconds in (0.5, 0.5, 0.011, 0.011):  # the first two, after the guessing steps, are not timed
         assert not proposer.begin_step(1)
-        gate.record(1, False, 0.011, 1)
+        gate.record(1, False, seconds, 1)
     assert gate.paused == 1024  # at most
     gate.paused = 0
-    for _ in range(128 // 16):  # since the two plain steps
+    for _ in range(128 // 16):  # since the last timed plain step
         trial(0.020, [2])
-    assert not proposer.begin_step(1)  # 128 guessing steps since the last plain one: a probe
-    gate.record(1, False, 0.011, 1)
+    for _ in range(3):  # 128 guessing steps since the last plain one: a probe, timed on its third step
+        assert not proposer.begin_step(1)
+        gate.record(1, False, 0.011, 1)
     assert proposer.begin_step(1) and proposer.begin_step(5) is False  # and never past max_batch
+    gate.record(1, False, 0.011, 1, decode_only=False)  # a step with a prompt's tokens: never timed, nor the next two
+    gate.record(1, False, 0.5, 1)
+    gate.record(2, False, 0.5, 2)  # nor plain steps of a batch size other than the last step's
+    gate.record(1, False, 0.5, 1)
+    gate.record(1, False, 0.5, 1)
+    assert list(gate.plain[1]) == [0.011, 0.011, 0.011]
     off = NgramProposer(k=4, min_speedup=0)
     assert off.begin_step(1)
     for _ in range(40):

@@ -36,6 +36,11 @@ class SpecState:
 # ran at 0.92x where ungated it ran at 0.5x), while a mild loss, as a rewriting answer's first sentence, pauses it
 # briefly (a random eagle draft's lookups while copying: 1.68x against 1.85x ungated; with doubling pauses 1.00x).
 OVERHEAD, MAX_PAUSE = 0.1, 1024
+# Plain steps after a prompt's step or guessing ones run on caches those filled: on a 2-core Xeon the first took
+# 1.14x the step of an engine without a proposer, the second 1.05x, the third 1.03x (an eagle draft, 24 guessing
+# steps then 8 plain ones, over and over). Timed, they made the gate's plain steps slow enough to let eagle through
+# at 0.82x of plain decoding. So the gate times a batch size's plain steps from the third in a row on.
+SETTLE = 2
 
 
 class CostGate:
@@ -48,16 +53,18 @@ class CostGate:
         """Every `trial` guessing steps of a batch size, their tokens a second against the median of its last 3
         plain steps; below min_speedup percent, two plain steps are timed and the trial judged again against them
         (a machine that slowed down during the trial slows them too), and if it still falls short, a pause
-        (OVERHEAD). A batch size's first two steps, and one after every `probe_every` guessing steps (contexts
-        grow, steps slow down), run plain to time it. 0: off. The proposers' 90 lets a CPU's marginal gains be: at
+        (OVERHEAD). A batch size's first steps, and some after every `probe_every` guessing steps (contexts grow,
+        steps slow down), run plain to time it. 0: off. The proposers' 90 lets a CPU's marginal gains be: at
         95, noisy trials shut eagle on open prompts (1.02x where it ran at 1.05x ungated); 8-step trials, noisier,
         kept 2.58 tokens a step of eagle's 2.95 rewriting. Judged against plain steps timed before it alone, a trial
-        of guesses that were all kept (4 tokens a step) was once shut by a test run beside it."""
+        of guesses that were all kept (4 tokens a step) was once shut by a test run beside it. Only plain steps that
+        follow SETTLE plain steps of their batch size are timed."""
         self.min_speedup, self.trial, self.probe_every = min_speedup, trial, probe_every
         self.plain: dict[int, deque[float]] = {}  # batch size -> its recent plain steps' seconds a token
         self.since_plain: dict[int, int] = {}  # batch size -> guessing steps since its last plain one
         self.spent: dict[int, list[float]] = {}  # batch size -> this trial's [seconds, tokens, steps]
         self.failed: dict[int, list[float]] = {}  # batch size -> a failing trial's [seconds, tokens, plain steps to time]
+        self.plain_run = (0, 0)  # (batch size, plain decode-only steps of it in a row, up to the last step)
         self.paused = 0
 
     def begin_step(self, size: int) -> bool:
@@ -69,11 +76,16 @@ class CostGate:
             return False
         return not self.min_speedup or (len(self.plain.get(size, ())) >= 2 and self.since_plain[size] < self.probe_every)
 
-    def record(self, size: int, guessed: bool, seconds: float, tokens: int) -> None:
-        """A decode-only step of `size` sequences: whether any guessed, its seconds and the tokens it gave."""
-        if not self.min_speedup or not tokens:
+    def record(self, size: int, guessed: bool, seconds: float, tokens: int, decode_only: bool = True) -> None:
+        """A step of `size` sequences decoding: whether any guessed, its seconds and the tokens it gave; only a
+        decode-only step is timed."""
+        plain = decode_only and not guessed
+        self.plain_run = (size, self.plain_run[1] + 1 if plain and self.plain_run[0] == size else int(plain))
+        if not self.min_speedup or not tokens or not decode_only:
             return
         if not guessed:
+            if self.plain_run[1] <= SETTLE:
+                return
             self.plain.setdefault(size, deque(maxlen=3)).append(seconds / tokens)
             self.since_plain[size] = 0
             if size in self.failed:
