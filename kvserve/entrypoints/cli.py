@@ -53,7 +53,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "last queries vote); budgets are tokens or a fraction; minicache:start=15 merges adjacent "
                              "layers' K/V from that layer on (per engine)")
     parser.add_argument("--speculative", default=None, metavar="PROPOSER",
-                        help="speculative decoding, NAME[:key=value,...]: ngram[:k=8,n=3] (prompt lookup), "
+                        help="speculative decoding, NAME[:key=value,...]: ngram[:k=6,n=3] (prompt lookup), "
                              "draft:model=PATH[,k=4] (a small model), self:layers=N[,k=3] (the model's first N layers), "
                              "eagle:model=DIR[,k=2,width=1,lookup=4] (a feature draft from kvserve distill --eagle); "
                              "each also takes min_acceptance (percent of guesses kept) and min_speedup (percent of plain "

@@ -9,11 +9,12 @@ from kvserve.spec_decode.proposer import Proposer, check_ints
 
 
 class NgramProposer(Proposer):
-    def __init__(self, k: int = 8, n: int = 3, min_n: int = 2, min_acceptance: int = 20, window: int = 32, **gate):
+    def __init__(self, k: int = 6, n: int = 3, min_n: int = 2, min_acceptance: int = 20, window: int = 32, **gate):
         """Up to k tokens per proposal from the longest matching n-gram (n down to min_n). A copied run of text
         gives a guess every hit doubles, up to k, so k bounds the tokens a step makes there: on a 2-core Xeon,
-        `bench/speculative.py --workloads copy` printed 1.65x at k=5, 1.81x at 6, 1.86x at 8, 1.71x at 10 (its
-        9-row steps cost 1.97x a plain step's time, 11 rows 2.78x)."""
+        `bench/speculative.py --workloads copy` printed 1.53-1.69x at k=5, 1.81x (twice) at 6, 1.74-1.86x at 8 and
+        1.71x at 10. At 6, the most sequences that guess together (max_batch, 4) make steps of 28 rows, within the 31
+        that the int8 kernels multiply exactly as one-row steps on a CPU with AMX (kernels/quant_matmul.cpp)."""
         super().__init__(k, min_acceptance, window, 0, **gate)  # no lookup option: it is one
         check_ints(n=n, min_n=min_n)
         if not 1 <= min_n <= n <= 8:
