@@ -147,7 +147,7 @@ def test_a_sequence_whose_guesses_fail_is_paused():
 def test_a_model_drafts_gate_is_shared_by_all_sequences():
     from kvserve.spec_decode.draft import SelfProposer
 
-    proposer = SelfProposer(layers=1, k=3, min_acceptance=50, window=6)
+    proposer = SelfProposer(layers=1, k=3, min_acceptance=50, window=6, min_speedup=0)  # the acceptance gate alone
     first, second = _Seq([1]), _Seq([2])
     proposer.record(first, 3, 0)
     proposer.record(second, 3, 1)
@@ -167,7 +167,7 @@ def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
     time a tenth of theirs; a plain probe every 128 guessing steps keeps the plain timing current. min_speedup=0: no
     gate."""
     proposer = NgramProposer(k=4)
-    gate = proposer.cost
+    gate = proposer.costs[0]
     for seconds in (0.050, 0.030, 0.010):  # the first two after the prompt's (none before them here): not timed
         assert not proposer.begin_step(1)
         gate.record(1, False, seconds, 1)
@@ -217,8 +217,58 @@ def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
     off = NgramProposer(k=4, min_speedup=0)
     assert off.begin_step(1)
     for _ in range(40):
-        off.cost.record(1, True, 1.0, 1)
+        off.costs[0].record(1, True, 1.0, 1)
     assert off.begin_step(1)
+
+
+class WrongDraft(Proposer):
+    """A model proposer's gates, with guesses that are never the model's (token 0) where prompt lookup finds none."""
+
+    shared_gate = True
+
+    def propose(self, seqs, limits: list[int]) -> list[list[int]]:
+        return [[0] * limit for limit in limits]
+
+
+def test_a_model_proposers_lookups_are_gated_apart_from_its_own_guesses():
+    """Each source of guesses has its cost gate and its acceptance gate (a model's shared by all sequences, the
+    lookups' each sequence's own, as ngram's): a draft whose guesses lose pauses alone, and prompt lookups go on
+    copying. A step where only one source guessed is no plain step for the other."""
+    proposer = WrongDraft(k=2, min_acceptance=50, window=4, lookup=4)
+    own, lookups = proposer.costs
+    copying, fresh, plain = _Seq([5, 6, 7, 8, 5, 6, 7]), _Seq([1, 2, 3]), _Seq([9])
+
+    def step(seq, seconds: float, tokens: int) -> list[int]:
+        """One decoding sequence's step, timed: the guesses it made."""
+        limit = proposer.lookahead(seq) if proposer.begin_step(1) else 0
+        seq.draft_token_ids = proposer.guesses([seq], [limit])[0] if limit else []
+        proposer.timed([seq], seconds, tokens)
+        return seq.draft_token_ids
+
+    plain.draft_token_ids = []
+    for _ in range(4):  # two settle, two are timed: 10 ms a token
+        assert step(plain, 0.010, 1) == []
+    for _ in range(16):  # the draft's trial: 30 ms a token
+        assert step(fresh, 0.030, 1) == [0, 0]
+    assert step(copying, 0.015, 5) == []  # the failing trial's second look takes plain steps, lookups' too
+    assert own.failed and list(lookups.plain[1]) == [0.010, 0.010]  # (the step after a guessing one is not timed)
+    for _ in range(3):
+        assert step(plain, 0.010, 1) == []
+    assert own.paused > 16
+    for _ in range(16):  # lookups' trial: 3 ms a token, while the draft stays paused
+        assert step(copying, 0.015, 5) == [8, 5, 6, 7] and proposer.state(copying).copied and proposer.open == [False, True]
+    assert step(fresh, 0.010, 1) == []  # nothing to look up, and the draft paused
+    assert lookups.paused == 0 and not lookups.failed and own.paused > 0 and lookups.since_plain[1] == 16
+
+    proposer = WrongDraft(k=2, min_acceptance=50, window=4, lookup=4, min_speedup=0)
+    copying, fresh = _Seq([5, 6, 7, 8, 5, 6, 7]), _Seq([1, 2, 3])
+    assert proposer.guesses([copying], [4]) == [[8, 5, 6, 7]]
+    proposer.record(copying, 4, 0)  # lookups that miss pause that sequence's lookups alone
+    assert proposer.lookahead(copying) == 1 and proposer.lookahead(fresh) == 4 and proposer.shared.paused == 0
+    assert proposer.guesses([fresh], [2]) == [[0, 0]] and not proposer.state(fresh).copied
+    proposer.record(fresh, 2, 0)
+    proposer.record(fresh, 2, 0)  # draft guesses that miss pause the draft for every sequence
+    assert proposer.shared.paused == 4 and proposer.lookahead(_Seq([4, 4, 4, 4])) == 4  # lookups still may
 
 
 @pytest.mark.parametrize("text, message", [
@@ -585,14 +635,14 @@ def test_guessing_that_costs_more_time_than_it_saves_is_switched_off(tiny_pair):
             return [[(t + 1) % 256 for t in guesses] for guesses in super().propose(seqs, limits)]
 
     for proposer, kept in ((SlowWrong(reference, 2), False), (OracleProposer(reference, 3), True)):
-        proposer.cost = NgramProposer().cost  # the default gate
+        proposer.costs = NgramProposer().costs  # the default gate
         spec.proposer = proposer
         accepted = spec.scheduler.stats.num_accepted_tokens
         assert _run(spec, [prompt], [greedy(120)]) == reference
         if kept:  # k guesses a step (within max_tokens), every one kept
             assert spec.scheduler.stats.num_accepted_tokens - accepted == proposer.proposed and proposer.proposed // proposer.k >= 25
         else:
-            assert proposer.steps == 16 and proposer.cost.paused > 0  # 2 steps timed, 16 guessing, then a pause past the end
+            assert proposer.steps == 16 and proposer.costs[0].paused > 0  # 2 steps timed, 16 guessing, then a pause past the end
 
 
 def test_cli_stats_line_reports_acceptance(smollm2_ngram):

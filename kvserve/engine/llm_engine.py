@@ -208,10 +208,9 @@ class LLMEngine:
         step = self.runner.execute(batch, keep_features=bool(self.feature_observers))
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
-        if self.proposer is not None:  # guessing pays or not: timed on decode-only steps
-            guessed = any(seq.draft_token_ids for seq in batch.seqs)  # (_verified clears them)
-            self.proposer.cost.record(len(batch.seqs), guessed, time.perf_counter() - began, sum(map(len, step.tokens)),
-                                      decode_only=not self.last_step.prefill_tokens)
+        if self.proposer is not None:  # guessing pays or not: timed on decode-only steps (before _verified clears the guesses)
+            self.proposer.timed(batch.seqs, time.perf_counter() - began, sum(map(len, step.tokens)),
+                                decode_only=not self.last_step.prefill_tokens)
         self.output.record_computed(batch, self._verified(step))
         if any(seq.policy is not None for seq in batch.seqs):
             self._evict(batch.seqs, step.votes)

@@ -1,6 +1,7 @@
 """What every proposer shares: how many tokens to guess, and switching speculation off where guesses keep
 failing (a rejected guess costs a verification row, and a model draft its own forward passes) or where guessing
-steps, timed, yield fewer tokens a second than plain ones."""
+steps, timed, yield fewer tokens a second than plain ones. A model proposer's prompt lookups (`lookup`) are gated
+apart from its draft's guesses, so that a draft that loses does not shut the copying with it."""
 from __future__ import annotations
 
 import math
@@ -19,7 +20,8 @@ MAX_BATCH = 4
 
 class SpecState:
     """Per sequence: how many tokens to guess next, and what the proposer keeps for it; and a gate: the acceptance
-    of recent guesses (a sequence's own, or with a model draft one gate for all sequences)."""
+    of recent guesses (a sequence's own, or with a model draft one gate for all sequences; there a sequence's own
+    gate judges its lookups)."""
 
     def __init__(self, k: int):
         self.k = k  # the next guess's length: back to one past the last accepted token after a miss, doubled after a hit
@@ -29,6 +31,7 @@ class SpecState:
         self.own: Any = None
         self.lookup: NgramIndex | None = None  # a model proposer's prompt-lookup index, with its `lookup` option
         self.copied = False  # the last guesses came from that lookup, not the model
+        self.sources = (True, True)  # this step: whether the proposer's own guesses, and its lookups, may be made
 
 
 # A failing trial pauses guessing for as many steps as make its extra time OVERHEAD of theirs: a proposer that
@@ -68,13 +71,18 @@ class CostGate:
         self.paused = 0
 
     def begin_step(self, size: int) -> bool:
-        """A step with `size` sequences decoding starts: whether they may guess (a pause counts every step)."""
+        """A step with `size` sequences decoding starts: whether this gate's guesses may run (a pause counts every
+        step); needs_plain says whether the step must run without any."""
         if self.paused:
             self.paused -= 1
             return False
-        if size in self.failed:
-            return False
-        return not self.min_speedup or (len(self.plain.get(size, ())) >= 2 and self.since_plain[size] < self.probe_every)
+        return True
+
+    def needs_plain(self, size: int) -> bool:
+        """Whether the step runs with no guesses, to be timed: the batch size has fewer than two plain steps timed,
+        a failing trial waits for its second look, or a probe is due."""
+        return bool(self.min_speedup) and (size in self.failed or len(self.plain.get(size, ())) < 2
+                                           or self.since_plain[size] >= self.probe_every)
 
     def record(self, size: int, guessed: bool, seconds: float, tokens: int, decode_only: bool = True) -> None:
         """A step of `size` sequences decoding: whether any guessed, its seconds and the tokens it gave; only a
@@ -140,16 +148,20 @@ class Proposer:
                                f"window={window}, max_batch={max_batch}, lookup={lookup}, min_speedup={min_speedup}")
         self.k, self.min_acceptance, self.window, self.max_batch, self.lookup = k, min_acceptance, window, max_batch, lookup
         self.shared = SpecState(k)
-        self.cost = CostGate(min_speedup)
+        # the proposer's own guesses' cost gate, then its lookups': a random feature draft shut the copying with its
+        # own losses when they shared one (bench/speculative.py --workloads copy: 0.88x, where ngram ran at 1.60x)
+        self.costs = [CostGate(min_speedup) for _ in range(1 + bool(lookup))]
+        self.open = [True] * len(self.costs)  # this step: whether each may guess
 
     def start(self, engine) -> None:
         """Load what the proposer needs from the engine it serves (a draft model, the target's layers)."""
 
     def guesses(self, seqs: list, limits: list[int]) -> list[list[int]]:
         """Up to `limit` guessed next tokens for each sequence: prompt lookup's where `lookup` finds the text's last
-        tokens before, else the proposer's own (up to its k), one batch for all."""
+        tokens before, else the proposer's own (up to its k), one batch for all; each only while its gates are open
+        (lookahead)."""
         guesses = [self._look_up(seq, limit) for seq, limit in zip(seqs, limits)]
-        rest = [i for i, found in enumerate(guesses) if not found]
+        rest = [i for i, found in enumerate(guesses) if not found and self.state(seqs[i]).sources[0]]
         if rest:
             own = self.propose([seqs[i] for i in rest], [min(limits[i], self.state(seqs[i]).k) for i in rest])
             for i, found in zip(rest, own):
@@ -162,9 +174,10 @@ class Proposer:
 
     def _look_up(self, seq, limit: int) -> list[int]:
         """Prompt lookup's guesses (none without `lookup`); the sequence's state remembers whether it made them."""
-        if not self.lookup:
-            return []
         state = self.state(seq)
+        state.copied = False
+        if not self.lookup or not state.sources[1]:
+            return []
         state.lookup = state.lookup or NgramIndex(3, 3)
         copied = state.lookup.continuation(seq.token_ids, limit)
         state.copied = bool(copied)
@@ -177,24 +190,36 @@ class Proposer:
 
     def begin_step(self, decoding: int) -> bool:
         """A step with `decoding` sequences decoding starts: whether they may guess (not past max_batch, nor while
-        the cost gate is shut). A shared gate's pause counts steps (a sequence's own counts its steps in lookahead)."""
+        both cost gates are shut, nor where one needs a plain step timed). A shared gate's pause counts steps (a
+        sequence's own counts its steps in lookahead)."""
         if self.shared_gate and self.shared.paused > 0:
             self.shared.paused -= 1
-        return self.cost.begin_step(decoding) and decoding <= self.max_batch
+        self.open = [gate.begin_step(decoding) for gate in self.costs]  # every pause counts the step
+        if any(is_open and gate.needs_plain(decoding) for is_open, gate in zip(self.open, self.costs)):
+            self.open = [False] * len(self.costs)
+        return any(self.open) and decoding <= self.max_batch
 
     def lookahead(self, seq) -> int:
-        """How many tokens to guess for this sequence, or 0 while its gate is shut."""
-        gate = self.shared if self.shared_gate else self.state(seq)
+        """How many tokens to guess for this sequence, or 0 while its gates are shut: the proposer's own guesses'
+        (shared by all sequences with a model draft) and its lookups' (each sequence's own, as ngram's)."""
+        state = self.state(seq)
+        state.sources = (self.open[0] and self._accepting(self.shared if self.shared_gate else state),
+                         self.lookup > 0 and self.open[-1] and self._accepting(state))
+        return max(state.k if state.sources[0] else 0, self.lookup if state.sources[1] else 0)  # own guesses stay within k
+
+    def _accepting(self, gate: SpecState) -> bool:
+        """Whether an acceptance gate is open; a sequence's own gate counts its steps here."""
         if gate.paused > 0:
-            gate.paused -= 0 if self.shared_gate else 1
-            return 0
-        return max(self.state(seq).k, self.lookup)  # the proposer's own guesses stay within k (guesses)
+            if gate is not self.shared:
+                gate.paused -= 1
+            return False
+        return True
 
     def record(self, seq, proposed: int, accepted: int) -> None:
         """After verification: the next guess's length (a tree's: its deepest path), and the gate."""
         state = self.state(seq)
         state.k = min(self.k, 2 * state.k if accepted >= min(proposed, state.k) else accepted + 1)
-        gate = self.shared if self.shared_gate else state
+        gate = self.shared if self.shared_gate and not state.copied else state
         gate.history.append((proposed, accepted))
         total = sum(p for p, _ in gate.history)
         while total - gate.history[0][0] >= self.window:
@@ -206,6 +231,14 @@ class Proposer:
             gate.strikes += 1
         else:
             gate.strikes = 0
+
+    def timed(self, seqs: list, seconds: float, tokens: int, decode_only: bool = True) -> None:
+        """A step of these sequences, for the cost gates: a gate's guessing step where its guesses ran in it, a
+        plain step where none did; a step where only the other gate's ran is neither (nor is the plain one after)."""
+        sources = {int(self.state(seq).copied) for seq in seqs if seq.draft_token_ids}
+        for source, gate in enumerate(self.costs):
+            mine = source in sources
+            gate.record(len(seqs), mine, seconds, tokens, decode_only=decode_only and (mine or not sources))
 
     def forget(self, seq) -> None:
         """The sequence finished: let go of what the proposer holds for it."""
