@@ -147,7 +147,7 @@ def test_a_sequence_whose_guesses_fail_is_paused():
 def test_a_model_drafts_gate_is_shared_by_all_sequences():
     from kvserve.spec_decode.draft import SelfProposer
 
-    proposer = SelfProposer(layers=1, k=3, min_acceptance=50, window=6, min_speedup=0)  # the acceptance gate alone
+    proposer = SelfProposer(layers=1, k=3, lookup=0, min_acceptance=50, window=6, min_speedup=0)  # the draft's acceptance gate alone
     first, second = _Seq([1]), _Seq([2])
     proposer.record(first, 3, 0)
     proposer.record(second, 3, 1)
@@ -360,7 +360,7 @@ def test_greedy_batched_with_prefix_hits_and_stops_equals_plain_decoding(smollm2
     assert smollm2_ngram.engine.kv_manager.pool.num_used == 0
 
 
-@pytest.mark.parametrize("speculative", ["self:layers=20,lookup=4", "draft:model=smollm2-135m,k=3"])
+@pytest.mark.parametrize("speculative", ["self:layers=20", "draft:model=smollm2-135m,k=3,lookup=0"])
 def test_model_drafts_keep_greedy_outputs(smollm2, speculative):
     prompts = ["Once upon a time", "def fib(n):", smollm2.apply_chat_template(COPY)]
     params = [greedy(40), greedy(24), greedy(30)]
@@ -371,7 +371,7 @@ def test_model_drafts_keep_greedy_outputs(smollm2, speculative):
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     proposed, accepted = (sum(getattr(o.metrics, f) for o in spec) for f in ("num_draft_tokens", "num_accepted_tokens"))
     assert accepted > 0
-    if speculative.startswith("draft"):  # the target as its own draft: every guess is right
+    if speculative.startswith("draft"):  # the target as its own draft (no lookups): every guess is right
         assert accepted == proposed
     assert llm.engine.kv_manager.pool.num_used == 0 and llm.engine.proposer.kv.pool.num_used == 0  # shadows let go
 
@@ -380,7 +380,7 @@ def test_a_drafts_steps_past_the_prompt_run_in_the_native_layer_stack(tiny_model
     """The draft's layers are fused before its runner stacks them, and its catch-up on several tokens past the
     prompt (accepted guesses, then the target's token) attends as decodes: every step after the prompt is one
     native call for all layers."""
-    llm = LLM(str(tiny_model_dir), device="cpu", speculative=f"draft:model={tiny_model_dir},k=3,min_acceptance=0,min_speedup=0", **FP32)
+    llm = LLM(str(tiny_model_dir), device="cpu", speculative=f"draft:model={tiny_model_dir},k=3,lookup=0,min_acceptance=0,min_speedup=0", **FP32)
     backend = llm.engine.proposer.runner.backend
     assert backend.stack is not None
     steps, run_layers = [], backend.run_layers
@@ -549,7 +549,7 @@ def test_a_tree_in_a_sliding_window_layer_counts_the_keys_each_guess_sees(tiny_s
 def test_a_self_draft_in_a_busy_small_pool_keeps_outputs_and_frees_its_blocks(tiny_model_dir_d32):
     options = dict(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, **FP32)
     plain = LLM(str(tiny_model_dir_d32), **options).engine
-    spec = LLM(str(tiny_model_dir_d32), speculative="self:layers=1,k=3,min_acceptance=0,min_speedup=0", **options).engine
+    spec = LLM(str(tiny_model_dir_d32), speculative="self:layers=1,k=3,lookup=0,min_acceptance=0,min_speedup=0", **options).engine
     prompts, params = [[(5 * i + j) % 256 for j in range(4 + 3 * i)] for i in range(5)], [greedy(n) for n in (9, 14, 5, 12, 7)]
     assert _run(spec, prompts, params, poison=True) == _run(plain, prompts, params)
     assert spec.scheduler.stats.num_draft_tokens > 0 and spec.proposer.kv.pool.num_used == 0
