@@ -54,8 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "layers' K/V from that layer on (per engine)")
     parser.add_argument("--speculative", default=None, metavar="PROPOSER",
                         help="speculative decoding, NAME[:key=value,...]: ngram[:k=6,n=3] (prompt lookup), "
-                             "draft:model=PATH[,k=4] (a small model), self:layers=N[,k=3] (the model's first N layers), "
-                             "eagle:model=DIR[,k=2,width=1,lookup=4] (a feature draft from kvserve distill --eagle); "
+                             "draft:model=PATH[,k=4,lookup=4] (a small model), self:layers=N[,k=3,lookup=4] (the model's first N layers), "
+                             "eagle:model=DIR[,k=2,width=1,lookup=4] (a feature draft from kvserve distill --eagle), "
+                             "lookup: prompt lookup's guesses where the text repeats (0: none); "
                              "each also takes min_acceptance (percent of guesses kept) and min_speedup (percent of plain "
                              "decoding's tokens a second, default 90), under which it stops guessing for a while")
     parser.add_argument("--batch-invariant", action="store_true",
