@@ -617,6 +617,25 @@ def test_sampled_tokens_are_distributed_as_without_speculation(tiny_pair, monkey
 
 # --- metrics --------------------------------------------------------------------------------------------------------
 
+def test_a_drafts_misses_pause_its_own_guesses_and_not_its_lookups(tiny_pair):
+    """End to end, by acceptance (timing off): where the output repeats itself (this model loops), lookups guess and
+    are kept, while the draft's own guesses, never kept, are paused by their own gate (when the lookups shared it,
+    their hits held it open: no pause); outputs are the plain engine's."""
+    plain, spec = tiny_pair
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    reference = _run(plain, [prompt], [greedy(120)])[tuple(prompt)]
+
+    class Wrong(WrongDraft):
+        def propose(self, seqs, limits):
+            return [[(t + 1) % 256 for t in reference[len(seq.output_token_ids):][:limit]] for seq, limit in zip(seqs, limits)]
+
+    spec.proposer = proposer = Wrong(k=2, min_acceptance=50, window=8, lookup=4, min_speedup=0)
+    accepted = spec.scheduler.stats.num_accepted_tokens
+    assert _run(spec, [prompt], [greedy(120)])[tuple(prompt)] == reference
+    assert spec.scheduler.stats.num_accepted_tokens - accepted >= 40  # lookups' tokens: the draft's are never kept
+    assert proposer.shared.strikes >= 2  # the draft's windows of 8 tokens failed, paused longer each time
+
+
 def test_guessing_that_costs_more_time_than_it_saves_is_switched_off(tiny_pair):
     """End to end, with the default cost gate: guesses that are never kept and take 20 ms to make (a step of this
     model takes a few) are made in the first trial only, whose cost pauses them past the output's end, and the
