@@ -164,8 +164,8 @@ def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
     plain steps of that size in a row (those after a prompt's or a guessing step are not timed); every 16 guessing
     steps are judged against the median of the last 3 timed plain ones (per token); a trial below 90% is judged again
     after two more timed plain steps, and if it still falls short, shuts guessing for as many steps as make its extra
-    time a tenth of theirs; a plain probe every 128 guessing steps keeps the plain timing current. min_speedup=0: no
-    gate."""
+    time a tenth of theirs; a probe of two timed plain steps after the first trial (the first plain steps, timed
+    alone, can be slow) and every 128 guessing steps since keeps the plain timing current. min_speedup=0: no gate."""
     proposer = NgramProposer(k=4)
     gate = proposer.costs[0]
     for seconds in (0.050, 0.030, 0.010):  # the first two after the prompt's (none before them here): not timed
@@ -188,6 +188,8 @@ def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
         assert proposer.begin_step(1)
 
     trial(0.020, [2])  # 10 ms a token: pays
+    paused(4)  # the probe after the first trial: two plain steps after the guessing ones, then two timed
+    assert list(gate.plain[1]) == [0.012, 0.011, 0.011]
     trial(0.024, [2])  # 12 ms: 0.92x, still above the bar
     trial(0.020, [1, 2])  # 13.3 ms: 0.825x, 16 steps took 3.4 steps' time more
     paused(4 + 34)  # two plain steps after the guessing ones, two timed at 11 ms, then the pause
@@ -204,7 +206,7 @@ def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
     gate.paused = 0
     for _ in range(128 // 16):  # since the last timed plain step
         trial(0.020, [2])
-    for _ in range(3):  # 128 guessing steps since the last plain one: a probe, timed on its third step
+    for _ in range(4):  # 128 guessing steps since the last plain one: a probe, timed on its third and fourth steps
         assert not proposer.begin_step(1)
         gate.record(1, False, 0.011, 1)
     assert proposer.begin_step(1) and proposer.begin_step(5) is False  # and never past max_batch
@@ -257,8 +259,11 @@ def test_a_model_proposers_lookups_are_gated_apart_from_its_own_guesses():
     assert own.paused > 16
     for _ in range(16):  # lookups' trial: 3 ms a token, while the draft stays paused
         assert step(copying, 0.015, 5) == [8, 5, 6, 7] and proposer.state(copying).copied and proposer.open == [False, True]
-    assert step(fresh, 0.010, 1) == []  # nothing to look up, and the draft paused
     assert lookups.paused == 0 and not lookups.failed and own.paused > 0 and lookups.since_plain[1] == 16
+    assert lookups.untimed[1] == 2 and step(copying, 0.015, 5) == []  # the lookups' first probe
+    for _ in range(3):
+        assert step(plain, 0.010, 1) == []
+    assert step(fresh, 0.010, 1) == [] and proposer.open == [False, True]  # nothing to look up, and the draft paused
 
     proposer = WrongDraft(k=2, min_acceptance=50, window=4, lookup=4, min_speedup=0)
     copying, fresh = _Seq([5, 6, 7, 8, 5, 6, 7]), _Seq([1, 2, 3])

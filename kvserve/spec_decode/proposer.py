@@ -56,14 +56,18 @@ class CostGate:
         """Every `trial` guessing steps of a batch size, their tokens a second against the median of its last 3
         plain steps; below min_speedup percent, two plain steps are timed and the trial judged again against them
         (a machine that slowed down during the trial slows them too), and if it still falls short, a pause
-        (OVERHEAD). A batch size's first steps, and some after every `probe_every` guessing steps (contexts grow,
-        steps slow down), run plain to time it. 0: off. The proposers' 90 lets a CPU's marginal gains be: at
+        (OVERHEAD). A batch size's first steps, and two after its first trial and after every `probe_every`
+        guessing steps since (contexts grow, steps slow down), run plain to time it: an engine's first plain steps,
+        timed alone, ran 1.3-1.4x its later ones on a 2-core Xeon, and eagle passed trials against them for 224
+        guessing steps at 0.89-0.94x of plain decoding. 0: off. The proposers' 90 lets a CPU's marginal gains be: at
         95, noisy trials shut eagle on open prompts (1.02x where it ran at 1.05x ungated); 8-step trials, noisier,
         kept 2.58 tokens a step of eagle's 2.95 rewriting. Judged against plain steps timed before it alone, a trial
         of guesses that were all kept (4 tokens a step) was once shut by a test run beside it. Only plain steps that
         follow SETTLE plain steps of their batch size are timed."""
         self.min_speedup, self.trial, self.probe_every = min_speedup, trial, probe_every
         self.plain: dict[int, deque[float]] = {}  # batch size -> its recent plain steps' seconds a token
+        self.untimed: dict[int, int] = {}  # batch size -> plain steps to time before it guesses again (2 at first)
+        self.probed: set[int] = set()  # batch sizes probed since their first trial
         self.since_plain: dict[int, int] = {}  # batch size -> guessing steps since its last plain one
         self.spent: dict[int, list[float]] = {}  # batch size -> this trial's [seconds, tokens, steps]
         self.failed: dict[int, list[float]] = {}  # batch size -> a failing trial's [seconds, tokens, plain steps to time]
@@ -79,10 +83,9 @@ class CostGate:
         return True
 
     def needs_plain(self, size: int) -> bool:
-        """Whether the step runs with no guesses, to be timed: the batch size has fewer than two plain steps timed,
-        a failing trial waits for its second look, or a probe is due."""
-        return bool(self.min_speedup) and (size in self.failed or len(self.plain.get(size, ())) < 2
-                                           or self.since_plain[size] >= self.probe_every)
+        """Whether the step runs with no guesses, to be timed: the batch size's first plain steps or a probe's are
+        not all timed yet, or a failing trial waits for its second look."""
+        return bool(self.min_speedup) and (size in self.failed or self.untimed.get(size, 2) > 0)
 
     def record(self, size: int, guessed: bool, seconds: float, tokens: int, decode_only: bool = True) -> None:
         """A step of `size` sequences decoding: whether any guessed, its seconds and the tokens it gave; only a
@@ -96,6 +99,7 @@ class CostGate:
                 return
             self.plain.setdefault(size, deque(maxlen=3)).append(seconds / tokens)
             self.since_plain[size] = 0
+            self.untimed[size] = max(0, self.untimed.get(size, 2) - 1)
             if size in self.failed:
                 failed = self.failed[size]
                 failed[2] -= 1
@@ -106,6 +110,9 @@ class CostGate:
         if size not in self.plain:  # the guesses were made for a batch of another size
             return
         self.since_plain[size] += 1
+        if self.since_plain[size] >= (self.probe_every if size in self.probed else self.trial):
+            self.probed.add(size)
+            self.untimed[size] = 2
         spent = self.spent.setdefault(size, [0.0, 0, 0])
         spent[0], spent[1], spent[2] = spent[0] + seconds, spent[1] + tokens, spent[2] + 1
         if spent[2] >= self.trial:
