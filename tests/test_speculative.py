@@ -848,6 +848,36 @@ def test_a_feature_draft_runs_in_the_models_dtype(tmp_path, tiny_model_dir):
     assert spec.engine.proposer.draft.fc.weight.dtype == torch.bfloat16 and sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
+@pytest.mark.parametrize("gate, first_guess", [("cost", 6), ("acceptance", 5)])
+def test_a_paused_feature_draft_keeps_no_hidden_states(tmp_path, tiny_model_dir, gate, first_guess):
+    """While a gate pauses the feature draft past the next step, steps pick no hidden states for it (that cost a
+    paused draft's steps 4% on a 2-core Xeon); the step before the first it may guess in keeps them, and it guesses
+    there; greedy output stays the model's."""
+    from kvserve.spec_decode.eagle import FeatureDraft
+
+    torch.manual_seed(0)
+    FeatureDraft(64, 64, 1e-5).save(tmp_path, None)
+    prompt, params = [5, 9, 14, 3, 5, 9], greedy(16)
+    plain = LLM(str(tiny_model_dir)).generate([prompt], params, use_tqdm=False)[0]
+    spec = LLM(str(tiny_model_dir), speculative=f"eagle:model={tmp_path},k=1,lookup=0,min_acceptance=0,min_speedup=0")
+    runner, kept, guessed = spec.engine.runner, [], []
+
+    def spy(batch, execute=runner.execute, keep_features=False):
+        kept.append(keep_features)
+        guessed.append(bool(batch.seqs[0].draft_token_ids))
+        return execute(batch, keep_features)
+
+    runner.execute = spy
+    proposer = spec.engine.proposer
+    if gate == "cost":
+        proposer.costs[0].paused = 6  # each step's start counts it down, the prompt's step's too: guesses from step 7
+    else:
+        proposer.shared.paused = 6  # counted down at each step's start too, and read after it: guesses from step 6
+    out = spec.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert guessed.index(True) == first_guess and kept[:first_guess + 1] == [False] * (first_guess - 1) + [True, True]
+
+
 def test_an_eagle_draft_must_match_the_model(tmp_path, tiny_model_dir):
     from kvserve.spec_decode.eagle import FeatureDraft
 

@@ -70,7 +70,7 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.requests: dict[str, list[Sequence]] = {}  # a request's completions, by index
         self.output = OutputProcessor(self.kv_manager, self.tokenizer, eos, self._finish)
-        self.feature_observers: list[Callable[[list[Sequence], torch.Tensor], None]] = []
+        self.feature_observers: list[tuple[Callable[[list[Sequence], torch.Tensor], None], Callable[[], bool] | None]] = []
         self.proposer = parse_speculative(config.speculative) if config.speculative else None
         if self.proposer is not None:
             self.proposer.start(self)
@@ -180,11 +180,15 @@ class LLMEngine:
                                    f"blocks of {bs} tokens")
         return policy
 
-    def observe_features(self, callback: Callable[[list[Sequence], torch.Tensor], None]) -> Callable[[], None]:
+    def observe_features(self, callback: Callable[[list[Sequence], torch.Tensor], None],
+                         wanted: Callable[[], bool] | None = None) -> Callable[[], None]:
         """After every step, callback(seqs, features): each sampling sequence's final hidden state [hidden] that gave
-        its newest token (a feature draft reads them; distillation records them). Returns what stops it."""
-        self.feature_observers.append(callback)
-        return lambda: self.feature_observers.remove(callback)
+        its newest token (a feature draft reads them; distillation records them). `wanted`: asked before each step,
+        whether the callback needs that step's (None: always); a step no observer wants keeps none (picking the
+        rows cost a paused feature draft's steps 4%). Returns what stops it."""
+        observer = (callback, wanted)
+        self.feature_observers.append(observer)
+        return lambda: self.feature_observers.remove(observer)
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):
@@ -205,7 +209,7 @@ class LLMEngine:
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests pending"
             return []
         started = time.perf_counter()
-        step = self.runner.execute(batch, keep_features=bool(self.feature_observers))
+        step = self.runner.execute(batch, keep_features=any(wanted is None or wanted() for _, wanted in self.feature_observers))
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
         if self.proposer is not None:  # guessing pays or not: timed on decode-only steps (before _verified clears the guesses)
@@ -225,7 +229,7 @@ class LLMEngine:
             self.requests[request_id][0].metrics.kv_bytes = self.kv_manager.kv_bytes(self.requests[request_id])
         deltas = self.output.process(step)
         if step.features is not None:  # a step of swaps only has none
-            for observe in self.feature_observers:
+            for observe, _ in self.feature_observers:
                 observe(step.seqs, step.features)
         outputs = [self._request_output(request_id, deltas) for request_id in touched]
         if not self.config.use_kv_cache:

@@ -136,12 +136,17 @@ class EagleProposer(Proposer):
         self.draft = draft.to(engine.runner.device, engine.config.torch_dtype)  # the states and embeddings it reads are the model's
         self.embed = target.embed
         self.fused, self.fused_rows = draft.fuse(self.head, target), min(m.kernel_rows for m in linears)
-        engine.observe_features(self.observe)
+        engine.observe_features(self.observe, self.may_guess_next)
 
     def observe(self, seqs: list[Sequence], features: torch.Tensor) -> None:
-        for seq, feature in zip(seqs, features):
+        for i, seq in enumerate(seqs):  # the rows are picked when guessing (a row a view: ~15 us each on cold caches)
             if not seq.is_finished:
-                self.state(seq).own = (seq.num_tokens, feature)
+                self.state(seq).own = (seq.num_tokens, features, i)
+
+    def may_guess_next(self) -> bool:
+        """Whether the draft may guess in the next step, so needs this step's hidden states: not while a gate
+        pauses it past that step (the cost gate's pause counts down at each step's start, as the shared one's)."""
+        return self.costs[0].paused == 0 and self.shared.paused <= 1
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
@@ -153,7 +158,7 @@ class EagleProposer(Proposer):
         if not ready:
             return guesses
         tokens = torch.tensor([seqs[i].token_ids[-1] for i in ready], device=self.head.ids.device)
-        features = torch.stack([self.state(seqs[i]).own[1] for i in ready])
+        features = torch.stack([rows[row] for _, rows, row in (self.state(seqs[i]).own for i in ready)])
         k = max(limits[i] for i in ready)
         for i, row in zip(ready, self.guess(tokens, features, k).tolist()):
             guesses[i] = row[:limits[i]] + row[k:]
