@@ -109,6 +109,8 @@ def test_rejection_rule_on_a_hand_made_distribution_equals_the_formula():
 # --- the ngram proposer ----------------------------------------------------------------------------------------
 
 class _Seq:
+    """What a proposer reads of a sequence, for asking it outside the engine."""
+
     def __init__(self, tokens):
         self.token_ids, self.spec_state = tokens, None
 
@@ -761,13 +763,6 @@ def test_distill_eagle_trains_a_feature_draft_whose_guesses_verify(tmp_path):
     assert spec.engine.proposer.head.head.out_features == 200
 
 
-class Guessing:
-    """What a proposer reads of a sequence, for asking it outside the engine."""
-
-    def __init__(self, token_ids: list[int] | None = None):
-        self.spec_state, self.token_ids = None, token_ids or []
-
-
 @pytest.mark.skipif(native_ops() is None, reason="no AVX2 CPU or no C++ compiler")
 def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smollm2):
     """On a GGUF target (embedding and head packed) a feature draft's steps run as one native op: its guesses are
@@ -793,7 +788,7 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
     wide = proposer.guess(tokens, features, 2)
     assert torch.equal(wide, fused.propose(tokens, features, 2, 3))
     assert wide.shape == (4, 4) and torch.equal(wide[:, :2], guesses[:, :2])
-    assert all(len(set(row[[0, 2, 3]].tolist())) == 3 for row in wide) and proposer.parents(Guessing(), 4) == [-1, 0, -1, -1]
+    assert all(len(set(row[[0, 2, 3]].tolist())) == 3 for row in wide) and proposer.parents(_Seq([]), 4) == [-1, 0, -1, -1]
     proposer.fused = fused
     assert torch.equal(proposer.guess(tokens, features, 2), wide)
     proposer.width = 1
@@ -829,7 +824,7 @@ def test_model_proposers_guess_by_lookup_where_the_text_repeats(tmp_path, smollm
             assert [o.outputs[0].token_ids for o in outs] == plain
             kept[lookup] = outs[0].metrics.num_accepted_tokens
         assert kept[4] >= 15 and kept[4] > 2 * kept[0], (proposer, kept)
-    proposer, seq = llm.engine.proposer, Guessing([5, 6, 7, 8, 5, 6, 7])
+    proposer, seq = llm.engine.proposer, _Seq([5, 6, 7, 8, 5, 6, 7])
     assert proposer.guesses([seq], [4]) == [[8, 5, 6, 7]] and proposer.parents(seq, 4) == [-1, 0, 1, 2]
 
 
