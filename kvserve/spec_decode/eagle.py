@@ -143,11 +143,6 @@ class EagleProposer(Proposer):
             if not seq.is_finished:
                 self.state(seq).own = (seq.num_tokens, features, i)
 
-    def may_guess_next(self) -> bool:
-        """Whether the draft may guess in the next step, so needs this step's hidden states: not while a gate
-        pauses it past that step (the cost gate's pause counts down at each step's start, as the shared one's)."""
-        return self.costs[0].paused == 0 and self.shared.paused <= 1
-
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         """k greedy steps (at most its limit), then the first step's other candidates, for every sequence whose

@@ -214,6 +214,12 @@ class Proposer:
                          self.lookup > 0 and self.open[-1] and self._accepting(state))
         return max(state.k if state.sources[0] else 0, self.lookup if state.sources[1] else 0)  # own guesses stay within k
 
+    def may_guess_next(self) -> bool:
+        """Whether the proposer's own guesses may be made in the next step (a feature draft needs this step's hidden
+        states only then): not while its cost gate, or a shared acceptance gate, pauses them past it. Both pauses
+        count down at a step's start (begin_step), the shared one read after."""
+        return self.costs[0].paused == 0 and (not self.shared_gate or self.shared.paused <= 1)
+
     def _accepting(self, gate: SpecState) -> bool:
         """Whether an acceptance gate is open; a sequence's own gate counts its steps here."""
         if gate.paused > 0:
