@@ -18,7 +18,7 @@ from kvserve.layers.sampler import SamplingBatch, sample
 from kvserve.spec_decode import chain, depths, hidden_keys, path, verify
 from kvserve.spec_decode.proposers import parse_speculative
 from kvserve.spec_decode.ngram import NgramProposer
-from kvserve.spec_decode.proposer import Proposer
+from kvserve.spec_decode.proposer import WARM, Proposer
 from tests.conftest import FP32, greedy
 from tests.test_kv_manager import check_invariants
 
@@ -166,7 +166,7 @@ def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
     plain steps of that size in a row (those after a prompt's or a guessing step are not timed); every 16 guessing
     steps are judged against the median of the last 3 timed plain ones (per token); a trial below 90% is judged again
     after two more timed plain steps, and if it still falls short, shuts guessing for as many steps as make its extra
-    time a tenth of theirs; a probe of two timed plain steps after the first trial (the first plain steps, timed
+    time a tenth of theirs, twice as many after each failing trial in a row before it; a probe of two timed plain steps after the first trial (the first plain steps, timed
     alone, can be slow) and every 128 guessing steps since keeps the plain timing current. min_speedup=0: no gate."""
     proposer = NgramProposer(k=4)
     gate = proposer.costs[0]
@@ -195,11 +195,11 @@ def test_the_cost_gate_shuts_guessing_that_gives_fewer_tokens_a_second():
     trial(0.024, [2])  # 12 ms: 0.92x, still above the bar
     trial(0.020, [1, 2])  # 13.3 ms: 0.825x, 16 steps took 3.4 steps' time more
     paused(4 + 34)  # two plain steps after the guessing ones, two timed at 11 ms, then the pause
-    trial(0.040, [1])  # 0.275x: 42 steps more
-    paused(4 + 422)
+    trial(0.040, [1])  # 0.275x: 42 steps more, a second failing trial in a row: twice the pause
+    paused(4 + 2 * 422)
     trial(0.036, [2])  # 18 ms a token: 0.61x, but the machine slowed down: plain steps take 20 ms now
     paused(4, seconds=0.020)
-    assert gate.paused == 0
+    assert gate.paused == 0 and gate.strikes == 0  # it passed: the next failing trial's pause is its own again
     trial(1.0, [1])
     for seconds in (0.5, 0.5, 0.011, 0.011):  # the first two, after the guessing steps, are not timed
         assert not proposer.begin_step(1)
@@ -668,7 +668,8 @@ def test_guessing_that_costs_more_time_than_it_saves_is_switched_off(tiny_pair):
         if kept:  # k guesses a step (within max_tokens), every one kept
             assert spec.scheduler.stats.num_accepted_tokens - accepted == proposer.proposed and proposer.proposed // proposer.k >= 25
         else:
-            assert proposer.steps == 16 and proposer.costs[0].paused > 0  # 2 steps timed, 16 guessing, then a pause past the end
+            # WARM steps after the prompt's step, untimed; 2 plain steps to settle and 2 timed, 16 guessing, then a pause past the end
+            assert proposer.steps == WARM + 16 and proposer.costs[0].paused > 0
 
 
 def test_cli_stats_line_reports_acceptance(smollm2_ngram):
@@ -871,6 +872,38 @@ def test_a_paused_feature_draft_keeps_no_hidden_states(tmp_path, tiny_model_dir,
     out = spec.generate([prompt], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     assert guessed.index(True) == first_guess and kept[:first_guess + 1] == [False] * (first_guess - 1) + [True, True]
+
+
+def test_the_steps_a_cost_gate_times_keep_no_hidden_states(tmp_path, tiny_model_dir):
+    """The plain steps a cost gate times run as a plain engine's would, picking no hidden states; so the draft cannot
+    guess in the step after the last of them, which keeps its states and is not timed, and guesses from the one
+    after. No step is timed within WARM steps after the prompt's, nor made plain to be timed."""
+    from kvserve.spec_decode.eagle import FeatureDraft
+
+    torch.manual_seed(0)
+    FeatureDraft(64, 64, 1e-5).save(tmp_path, None)
+    spec = LLM(str(tiny_model_dir), speculative=f"eagle:model={tmp_path},k=1,lookup=0,min_acceptance=0")
+    runner, kept, guessed = spec.engine.runner, [], []
+
+    def spy(batch, execute=runner.execute, keep_features=False):
+        kept.append(keep_features)
+        guessed.append(bool(batch.seqs[0].draft_token_ids))
+        return execute(batch, keep_features)
+
+    runner.execute = spy
+    spec.generate([[5, 9, 14, 3, 5, 9]], greedy(WARM + 8), use_tqdm=False)
+    # the prompt's step and WARM guessing ones, two plain steps to settle and two timed, one that keeps states
+    assert kept[:WARM + 7] == [True] * (WARM + 1) + [False] * 4 + [True, True]
+    assert guessed[1:WARM + 7] == [True] * WARM + [False] * 5 + [True]
+    gate = spec.engine.proposer.costs[0]
+    assert len(gate.plain[1]) == 2 and not gate.needs_plain(1)
+    gate.record(1, False, 9.0, 1, features=True)  # a plain step that kept them: not timed
+    gate.record(1, False, 9.0, 1, features=True)
+    gate.record(1, False, 9.0, 1, features=True)
+    assert len(gate.plain[1]) == 2 and max(gate.plain[1]) < 9.0
+    proposer = spec.engine.proposer
+    assert proposer.begin_step(1) and proposer.may_guess_next()
+    assert not proposer.begin_step(5) and not proposer.may_guess_next()  # past max_batch: the next step guesses no more
 
 
 def test_an_eagle_draft_must_match_the_model(tmp_path, tiny_model_dir):

@@ -209,12 +209,13 @@ class LLMEngine:
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests pending"
             return []
         started = time.perf_counter()
-        step = self.runner.execute(batch, keep_features=any(wanted is None or wanted() for _, wanted in self.feature_observers))
+        features = any(wanted is None or wanted() for _, wanted in self.feature_observers)
+        step = self.runner.execute(batch, keep_features=features)
         decode = sum(n for seq, n in zip(batch.seqs, batch.num_tokens) if seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step = StepStats(sum(batch.num_tokens) - decode, decode, time.perf_counter() - started)
         if self.proposer is not None:  # guessing pays or not: timed on decode-only steps (before _verified clears the guesses)
             self.proposer.timed(batch.seqs, time.perf_counter() - began, sum(map(len, step.tokens)),
-                                decode_only=not self.last_step.prefill_tokens)
+                                decode_only=not self.last_step.prefill_tokens, features=features)
         self.output.record_computed(batch, self._verified(step))
         if any(seq.policy is not None for seq in batch.seqs):
             self._evict(batch.seqs, step.votes)

@@ -34,16 +34,23 @@ class SpecState:
         self.sources = (True, True)  # this step: whether the proposer's own guesses, and its lookups, may be made
 
 
-# A failing trial pauses guessing for as many steps as make its extra time OVERHEAD of theirs: a proposer that
-# always loses runs at about 1 / (1 + OVERHEAD) of plain decoding (forced on, `self:layers=20,min_acceptance=0`
-# ran at 0.92x where ungated it ran at 0.5x), while a mild loss, as a rewriting answer's first sentence, pauses it
-# briefly (a random eagle draft's lookups while copying: 1.68x against 1.85x ungated; with doubling pauses 1.00x).
+# A failing trial pauses guessing for as many steps as make its extra time OVERHEAD of theirs, so a mild loss, as a
+# rewriting answer's first sentence, pauses it briefly; each failing trial in a row doubles that, so a proposer that
+# always loses nears plain decoding's pace (guesses never kept, 2 a step, over 512 tokens on a 2-core Xeon: 0.91-0.92x
+# with single pauses, 0.96-0.97x doubled). Doubling once shut a random eagle draft's lookups while copying (1.00x
+# where they made 1.68x): they shared its gate then, and have their own now.
 OVERHEAD, MAX_PAUSE = 0.1, 1024
 # Plain steps after a prompt's step or guessing ones run on caches those filled: on a 2-core Xeon the first took
 # 1.14x the step of an engine without a proposer, the second 1.05x, the third 1.03x (an eagle draft, 24 guessing
 # steps then 8 plain ones, over and over). Timed, they made the gate's plain steps slow enough to let eagle through
 # at 0.82x of plain decoding. So the gate times a batch size's plain steps from the third in a row on.
 SETTLE = 2
+# A step with prompt tokens slows the steps after it longer: on that Xeon a plain engine's first decode steps of a
+# request took 1.5-1.7x its later ones (in the matmul kernels: 4.2-5.3 ms against 2.9), 1.1-1.3x until the 10th to
+# 20th (a pause of 25 ms between steps does alike). The gate's first plain steps, timed there, were its reference at
+# 1.3-1.5x the plain engine's steps, and eagle's trials passed at 1.2-1.6x where it ran at 0.88x. So the gate times
+# no step, plain or guessing, within WARM steps after one with prompt tokens, nor asks for plain steps there.
+WARM = 16
 
 
 class CostGate:
@@ -73,6 +80,7 @@ class CostGate:
         self.failed: dict[int, list[float]] = {}  # batch size -> a failing trial's [seconds, tokens, plain steps to time]
         self.plain_run = (0, 0)  # (batch size, plain decode-only steps of it in a row, up to the last step)
         self.paused = 0
+        self.strikes = 0  # failing trials in a row: each pause twice the length the trial alone would ask for
 
     def begin_step(self, size: int) -> bool:
         """A step with `size` sequences decoding starts: whether this gate's guesses may run (a pause counts every
@@ -87,15 +95,16 @@ class CostGate:
         not all timed yet, or a failing trial waits for its second look."""
         return bool(self.min_speedup) and (size in self.failed or self.untimed.get(size, 2) > 0)
 
-    def record(self, size: int, guessed: bool, seconds: float, tokens: int, decode_only: bool = True) -> None:
+    def record(self, size: int, guessed: bool, seconds: float, tokens: int, decode_only: bool = True, features: bool = False) -> None:
         """A step of `size` sequences decoding: whether any guessed, its seconds and the tokens it gave; only a
-        decode-only step is timed."""
+        decode-only step is timed, and a plain one only where it kept no hidden states for a feature draft (a plain
+        engine never picks them; they cost a paused eagle engine's steps 4%)."""
         plain = decode_only and not guessed
         self.plain_run = (size, self.plain_run[1] + 1 if plain and self.plain_run[0] == size else int(plain))
         if not self.min_speedup or not tokens or not decode_only:
             return
         if not guessed:
-            if self.plain_run[1] <= SETTLE:
+            if self.plain_run[1] <= SETTLE or features:
                 return
             self.plain.setdefault(size, deque(maxlen=3)).append(seconds / tokens)
             self.since_plain[size] = 0
@@ -123,12 +132,14 @@ class CostGate:
         """A trial of guessing steps that took `seconds` for `tokens`, against the batch size's recent plain steps."""
         speedup = statistics.median(self.plain[size]) * tokens / seconds
         if 100 * speedup >= self.min_speedup:
+            self.strikes = 0
             return
         if not again:
             self.failed[size] = [seconds, tokens, 2]
             return
-        # the trial's extra time: at most OVERHEAD of the steps until the next
-        self.paused = min(math.ceil(self.trial * (1 / speedup - 1) / OVERHEAD), MAX_PAUSE)
+        # the trial's extra time: at most OVERHEAD of the steps until the next; half that share for each failing trial before
+        self.paused = min(math.ceil(self.trial * (1 / speedup - 1) / OVERHEAD) << min(self.strikes, 10), MAX_PAUSE)
+        self.strikes += 1
 
 
 def check_ints(**options) -> None:
@@ -159,6 +170,9 @@ class Proposer:
         # own losses when they shared one (bench/speculative.py --workloads copy: 0.88x, where ngram ran at 1.60x)
         self.costs = [CostGate(min_speedup) for _ in range(1 + bool(lookup))]
         self.open = [True] * len(self.costs)  # this step: whether each may guess
+        self.timing = False  # this step runs plain for a cost gate to time it
+        self.warming = 0  # steps left that the cost gates do not time, after one with prompt tokens (WARM)
+        self.decoding = 0  # sequences decoding in this step
 
     def start(self, engine) -> None:
         """Load what the proposer needs from the engine it serves (a draft model, the target's layers)."""
@@ -202,8 +216,11 @@ class Proposer:
         if self.shared_gate and self.shared.paused > 0:
             self.shared.paused -= 1
         self.open = [gate.begin_step(decoding) for gate in self.costs]  # every pause counts the step
-        if any(is_open and gate.needs_plain(decoding) for is_open, gate in zip(self.open, self.costs)):
+        self.timing = decoding > 0 and not self.warming and any(
+            is_open and gate.needs_plain(decoding) for is_open, gate in zip(self.open, self.costs))
+        if self.timing:
             self.open = [False] * len(self.costs)
+        self.decoding = decoding
         return any(self.open) and decoding <= self.max_batch
 
     def lookahead(self, seq) -> int:
@@ -216,9 +233,12 @@ class Proposer:
 
     def may_guess_next(self) -> bool:
         """Whether the proposer's own guesses may be made in the next step (a feature draft needs this step's hidden
-        states only then): not while its cost gate, or a shared acceptance gate, pauses them past it. Both pauses
-        count down at a step's start (begin_step), the shared one read after."""
-        return self.costs[0].paused == 0 and (not self.shared_gate or self.shared.paused <= 1)
+        states only then): not while its cost gate, or a shared acceptance gate, pauses them past it (both pauses
+        count down at a step's start, begin_step, the shared one read after), nor past max_batch. Nor after a step
+        a cost gate times: so that it is timed as a plain engine's, it keeps none, and the draft's guesses wait a
+        step more after the last."""
+        return (self.costs[0].paused == 0 and (not self.shared_gate or self.shared.paused <= 1)
+                and not self.timing and self.decoding <= self.max_batch)
 
     def _accepting(self, gate: SpecState) -> bool:
         """Whether an acceptance gate is open; a sequence's own gate counts its steps here."""
@@ -245,13 +265,20 @@ class Proposer:
         else:
             gate.strikes = 0
 
-    def timed(self, seqs: list, seconds: float, tokens: int, decode_only: bool = True) -> None:
+    def timed(self, seqs: list, seconds: float, tokens: int, decode_only: bool = True, features: bool = False) -> None:
         """A step of these sequences, for the cost gates: a gate's guessing step where its guesses ran in it, a
-        plain step where none did; a step where only the other gate's ran is neither (nor is the plain one after)."""
+        plain step where none did; a step where only the other gate's ran is neither (nor is the plain one after), nor
+        is one within WARM steps after a step with prompt tokens. `features`: the step kept hidden states for a
+        feature draft."""
+        if not decode_only:
+            self.warming = WARM
+        elif self.warming:
+            self.warming -= 1
+            decode_only = False
         sources = {int(self.state(seq).copied) for seq in seqs if seq.draft_token_ids}
         for source, gate in enumerate(self.costs):
             mine = source in sources
-            gate.record(len(seqs), mine, seconds, tokens, decode_only=decode_only and (mine or not sources))
+            gate.record(len(seqs), mine, seconds, tokens, decode_only=decode_only and (mine or not sources), features=features)
 
     def forget(self, seq) -> None:
         """The sequence finished: let go of what the proposer holds for it."""
