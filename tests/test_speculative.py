@@ -668,7 +668,8 @@ def test_guessing_that_costs_more_time_than_it_saves_is_switched_off(tiny_pair):
         if kept:  # k guesses a step (within max_tokens), every one kept
             assert spec.scheduler.stats.num_accepted_tokens - accepted == proposer.proposed and proposer.proposed // proposer.k >= 25
         else:
-            # WARM steps after the prompt's step, untimed; 2 plain steps to settle and 2 timed, 16 guessing, then a pause past the end
+            # WARM guessing steps after the prompt's, untimed; 2 plain steps to settle and 2 timed, a trial of 16 guessing
+            # steps, then a pause past the end
             assert proposer.steps == WARM + 16 and proposer.costs[0].paused > 0
 
 
@@ -877,7 +878,8 @@ def test_a_paused_feature_draft_keeps_no_hidden_states(tmp_path, tiny_model_dir,
 def test_the_steps_a_cost_gate_times_keep_no_hidden_states(tmp_path, tiny_model_dir):
     """The plain steps a cost gate times run as a plain engine's would, picking no hidden states; so the draft cannot
     guess in the step after the last of them, which keeps its states and is not timed, and guesses from the one
-    after. No step is timed within WARM steps after the prompt's, nor made plain to be timed."""
+    after. No step is timed within WARM steps after one with prompt tokens, nor made plain to be timed: timings
+    wait there, while guessing goes on."""
     from kvserve.spec_decode.eagle import FeatureDraft
 
     torch.manual_seed(0)
@@ -894,16 +896,25 @@ def test_the_steps_a_cost_gate_times_keep_no_hidden_states(tmp_path, tiny_model_
     spec.generate([[5, 9, 14, 3, 5, 9]], greedy(WARM + 8), use_tqdm=False)
     # the prompt's step and WARM guessing ones, two plain steps to settle and two timed, one that keeps states
     assert kept[:WARM + 7] == [True] * (WARM + 1) + [False] * 4 + [True, True]
-    assert guessed[1:WARM + 7] == [True] * WARM + [False] * 5 + [True]
+    assert guessed[:WARM + 7] == [False] + [True] * WARM + [False] * 5 + [True]
     gate = spec.engine.proposer.costs[0]
     assert len(gate.plain[1]) == 2 and not gate.needs_plain(1)
+    gate.untimed[1] = 2  # a probe is due: after a prompt's step it waits, and the draft guesses on
+    kept.clear(), guessed.clear()
+    spec.generate([[5, 9, 14, 3, 5, 9, 2]], greedy(WARM + 8), use_tqdm=False)
+    assert guessed[:WARM + 7] == [False] + [True] * WARM + [False] * 5 + [True] and len(gate.plain[1]) == 3
     gate.record(1, False, 9.0, 1, features=True)  # a plain step that kept them: not timed
     gate.record(1, False, 9.0, 1, features=True)
     gate.record(1, False, 9.0, 1, features=True)
-    assert len(gate.plain[1]) == 2 and max(gate.plain[1]) < 9.0
+    assert len(gate.plain[1]) == 3 and max(gate.plain[1]) < 9.0
     proposer = spec.engine.proposer
     assert proposer.begin_step(1) and proposer.may_guess_next()
     assert not proposer.begin_step(5) and not proposer.may_guess_next()  # past max_batch: the next step guesses no more
+    proposer.timed([], 0.01, 1, decode_only=False)  # a step with prompt tokens: WARM steps after it are not timed
+    gate.untimed[1] = 2
+    assert proposer.begin_step(1) and proposer.warming == WARM  # a probe due waits
+    gate.failed[1] = [1.0, 1, 2]
+    assert not proposer.begin_step(1)  # a failing trial's second look does not
 
 
 def test_an_eagle_draft_must_match_the_model(tmp_path, tiny_model_dir):

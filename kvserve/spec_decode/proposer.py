@@ -49,7 +49,8 @@ SETTLE = 2
 # request took 1.5-1.7x its later ones (in the matmul kernels: 4.2-5.3 ms against 2.9), 1.1-1.3x until the 10th to
 # 20th (a pause of 25 ms between steps does alike). The gate's first plain steps, timed there, were its reference at
 # 1.3-1.5x the plain engine's steps, and eagle's trials passed at 1.2-1.6x where it ran at 0.88x. So the gate times
-# no step, plain or guessing, within WARM steps after one with prompt tokens, nor asks for plain steps there.
+# no step, plain or guessing, within WARM steps after one with prompt tokens. Timings due wait until after them while
+# guessing goes on (a new engine's first answer guesses from its first steps), but for a failing trial's second look.
 WARM = 16
 
 
@@ -94,6 +95,11 @@ class CostGate:
         """Whether the step runs with no guesses, to be timed: the batch size's first plain steps or a probe's are
         not all timed yet, or a failing trial waits for its second look."""
         return bool(self.min_speedup) and (size in self.failed or self.untimed.get(size, 2) > 0)
+
+    def must_wait(self, size: int) -> bool:
+        """Whether guessing must wait for plain steps to be timed where other timings can wait: a failing trial waits
+        for its second look."""
+        return bool(self.min_speedup) and size in self.failed
 
     def record(self, size: int, guessed: bool, seconds: float, tokens: int, decode_only: bool = True, features: bool = False) -> None:
         """A step of `size` sequences decoding: whether any guessed, its seconds and the tokens it gave; only a
@@ -170,7 +176,7 @@ class Proposer:
         # own losses when they shared one (bench/speculative.py --workloads copy: 0.88x, where ngram ran at 1.60x)
         self.costs = [CostGate(min_speedup) for _ in range(1 + bool(lookup))]
         self.open = [True] * len(self.costs)  # this step: whether each may guess
-        self.timing = False  # this step runs plain for a cost gate to time it
+        self.timing = False  # this step runs plain for a cost gate to time it (or, WARM, until it can)
         self.warming = 0  # steps left that the cost gates do not time, after one with prompt tokens (WARM)
         self.decoding = 0  # sequences decoding in this step
 
@@ -216,8 +222,8 @@ class Proposer:
         if self.shared_gate and self.shared.paused > 0:
             self.shared.paused -= 1
         self.open = [gate.begin_step(decoding) for gate in self.costs]  # every pause counts the step
-        self.timing = decoding > 0 and not self.warming and any(
-            is_open and gate.needs_plain(decoding) for is_open, gate in zip(self.open, self.costs))
+        plain = [gate.must_wait(decoding) if self.warming else gate.needs_plain(decoding) for gate in self.costs]
+        self.timing = decoding > 0 and any(is_open and p for is_open, p in zip(self.open, plain))
         if self.timing:
             self.open = [False] * len(self.costs)
         self.decoding = decoding
