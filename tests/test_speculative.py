@@ -845,18 +845,14 @@ def test_a_feature_draft_runs_in_the_models_dtype(tmp_path, tiny_model_dir):
     assert spec.engine.proposer.draft.fc.weight.dtype == torch.bfloat16 and sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
-@pytest.mark.parametrize("gate, first_guess", [("cost", 6), ("acceptance", 5)])
-def test_a_paused_feature_draft_keeps_no_hidden_states(tmp_path, tiny_model_dir, gate, first_guess):
-    """While a gate pauses the feature draft past the next step, steps pick no hidden states for it (that cost a
-    paused draft's steps 4% on a 2-core Xeon); the step before the first it may guess in keeps them, and it guesses
-    there; greedy output stays the model's."""
+def _spied_eagle(tmp_path, tiny_model_dir, gate: str) -> tuple[LLM, list[bool], list[bool]]:
+    """An engine with a random feature draft (one guess a step, no lookups, the acceptance gate off, `gate` the cost
+    gate's option), and for each of its steps: whether it kept the hidden states, and whether it verified guesses."""
     from kvserve.spec_decode.eagle import FeatureDraft
 
     torch.manual_seed(0)
     FeatureDraft(64, 64, 1e-5).save(tmp_path, None)
-    prompt, params = [5, 9, 14, 3, 5, 9], greedy(16)
-    plain = LLM(str(tiny_model_dir)).generate([prompt], params, use_tqdm=False)[0]
-    spec = LLM(str(tiny_model_dir), speculative=f"eagle:model={tmp_path},k=1,lookup=0,min_acceptance=0,min_speedup=0")
+    spec = LLM(str(tiny_model_dir), speculative=f"eagle:model={tmp_path},k=1,lookup=0,min_acceptance=0,{gate}")
     runner, kept, guessed = spec.engine.runner, [], []
 
     def spy(batch, execute=runner.execute, keep_features=False):
@@ -865,6 +861,17 @@ def test_a_paused_feature_draft_keeps_no_hidden_states(tmp_path, tiny_model_dir,
         return execute(batch, keep_features)
 
     runner.execute = spy
+    return spec, kept, guessed
+
+
+@pytest.mark.parametrize("gate, first_guess", [("cost", 6), ("acceptance", 5)])
+def test_a_paused_feature_draft_keeps_no_hidden_states(tmp_path, tiny_model_dir, gate, first_guess):
+    """While a gate pauses the feature draft past the next step, steps pick no hidden states for it (that cost a
+    paused draft's steps 4% on a 2-core Xeon); the step before the first it may guess in keeps them, and it guesses
+    there; greedy output stays the model's."""
+    prompt, params = [5, 9, 14, 3, 5, 9], greedy(16)
+    plain = LLM(str(tiny_model_dir)).generate([prompt], params, use_tqdm=False)[0]
+    spec, kept, guessed = _spied_eagle(tmp_path, tiny_model_dir, "min_speedup=0")
     proposer = spec.engine.proposer
     if gate == "cost":
         proposer.costs[0].paused = 6  # each step's start counts it down, the prompt's step's too: guesses from step 7
@@ -880,19 +887,7 @@ def test_the_steps_a_cost_gate_times_keep_no_hidden_states(tmp_path, tiny_model_
     guess in the step after the last of them, which keeps its states and is not timed, and guesses from the one
     after. No step is timed within WARM steps after one with prompt tokens, nor made plain to be timed: timings
     wait there, while guessing goes on."""
-    from kvserve.spec_decode.eagle import FeatureDraft
-
-    torch.manual_seed(0)
-    FeatureDraft(64, 64, 1e-5).save(tmp_path, None)
-    spec = LLM(str(tiny_model_dir), speculative=f"eagle:model={tmp_path},k=1,lookup=0,min_acceptance=0")
-    runner, kept, guessed = spec.engine.runner, [], []
-
-    def spy(batch, execute=runner.execute, keep_features=False):
-        kept.append(keep_features)
-        guessed.append(bool(batch.seqs[0].draft_token_ids))
-        return execute(batch, keep_features)
-
-    runner.execute = spy
+    spec, kept, guessed = _spied_eagle(tmp_path, tiny_model_dir, "min_speedup=90")
     spec.generate([[5, 9, 14, 3, 5, 9]], greedy(WARM + 8), use_tqdm=False)
     # the prompt's step and WARM guessing ones, two plain steps to settle and two timed, one that keeps states
     assert kept[:WARM + 7] == [True] * (WARM + 1) + [False] * 4 + [True, True]
