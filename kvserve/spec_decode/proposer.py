@@ -36,8 +36,8 @@ class SpecState:
 
 # A failing trial pauses guessing for as many steps as make its extra time OVERHEAD of theirs, so a mild loss, as a
 # rewriting answer's first sentence, pauses it briefly; each failing trial in a row doubles that, so a proposer that
-# always loses nears plain decoding's pace (guesses never kept, 2 a step, over 512 tokens on a 2-core Xeon: 0.91-0.92x
-# with single pauses, 0.96-0.97x doubled). Doubling once shut a random eagle draft's lookups while copying (1.00x
+# always loses nears plain decoding's pace (guesses never kept, 2 a step, over 512 tokens on a 2-core Xeon: 0.91-0.95x
+# with single pauses, 0.94-0.99x doubled). Doubling once shut a random eagle draft's lookups while copying (1.00x
 # where they made 1.68x): they shared its gate then, and have their own now.
 OVERHEAD, MAX_PAUSE = 0.1, 1024
 # Plain steps after a prompt's step or guessing ones run on caches those filled: on a 2-core Xeon the first took
@@ -48,7 +48,7 @@ SETTLE = 2
 # A step with prompt tokens slows the steps after it longer: on that Xeon a plain engine's first decode steps of a
 # request took 1.5-1.7x its later ones (in the matmul kernels: 4.2-5.3 ms against 2.9), 1.1-1.3x until the 10th to
 # 20th (a pause of 25 ms between steps does alike). The gate's first plain steps, timed there, were its reference at
-# 1.3-1.5x the plain engine's steps, and eagle's trials passed at 1.2-1.6x where it ran at 0.88x. So the gate times
+# 1.3-2x the plain engine's steps, and eagle's trials passed at 1.2-1.7x where it ran at 0.88x. So the gate times
 # no step, plain or guessing, within WARM steps after one with prompt tokens. Timings due wait until after them while
 # guessing goes on (a new engine's first answer guesses from its first steps), but for a failing trial's second look.
 WARM = 16
@@ -81,7 +81,7 @@ class CostGate:
         self.failed: dict[int, list[float]] = {}  # batch size -> a failing trial's [seconds, tokens, plain steps to time]
         self.plain_run = (0, 0)  # (batch size, plain decode-only steps of it in a row, up to the last step)
         self.paused = 0
-        self.strikes = 0  # failing trials in a row: each pause twice the length the trial alone would ask for
+        self.strikes = 0  # failing trials in a row: each doubles the next one's pause
 
     def begin_step(self, size: int) -> bool:
         """A step with `size` sequences decoding starts: whether this gate's guesses may run (a pause counts every
