@@ -52,6 +52,8 @@ SETTLE = 2
 # no step, plain or guessing, within WARM steps after one with prompt tokens. Timings due wait until after them while
 # guessing goes on (a new engine's first answer guesses from its first steps), but for a failing trial's second look.
 WARM = 16
+# plain steps a gate times at a time: a batch size's first, a probe's, a failing trial's second look
+TIMED = 2
 
 
 class CostGate:
@@ -74,7 +76,7 @@ class CostGate:
         follow SETTLE plain steps of their batch size are timed."""
         self.min_speedup, self.trial, self.probe_every = min_speedup, trial, probe_every
         self.plain: dict[int, deque[float]] = {}  # batch size -> its recent plain steps' seconds a token
-        self.untimed: dict[int, int] = {}  # batch size -> plain steps to time before it guesses again (2 at first)
+        self.untimed: dict[int, int] = {}  # batch size -> plain steps to time before it guesses again (TIMED at first)
         self.probed: set[int] = set()  # batch sizes probed since their first trial
         self.since_plain: dict[int, int] = {}  # batch size -> guessing steps since its last plain one
         self.spent: dict[int, list[float]] = {}  # batch size -> this trial's [seconds, tokens, steps]
@@ -94,7 +96,7 @@ class CostGate:
     def needs_plain(self, size: int) -> bool:
         """Whether the step runs with no guesses, to be timed: the batch size's first plain steps or a probe's are
         not all timed yet, or a failing trial waits for its second look."""
-        return bool(self.min_speedup) and (size in self.failed or self.untimed.get(size, 2) > 0)
+        return self.must_wait(size) or (bool(self.min_speedup) and self.untimed.get(size, TIMED) > 0)
 
     def must_wait(self, size: int) -> bool:
         """Whether guessing must wait for plain steps to be timed where other timings can wait: a failing trial waits
@@ -114,7 +116,7 @@ class CostGate:
                 return
             self.plain.setdefault(size, deque(maxlen=3)).append(seconds / tokens)
             self.since_plain[size] = 0
-            self.untimed[size] = max(0, self.untimed.get(size, 2) - 1)
+            self.untimed[size] = max(0, self.untimed.get(size, TIMED) - 1)
             if size in self.failed:
                 failed = self.failed[size]
                 failed[2] -= 1
@@ -127,7 +129,7 @@ class CostGate:
         self.since_plain[size] += 1
         if self.since_plain[size] >= (self.probe_every if size in self.probed else self.trial):
             self.probed.add(size)
-            self.untimed[size] = 2
+            self.untimed[size] = TIMED
         spent = self.spent.setdefault(size, [0.0, 0, 0])
         spent[0], spent[1], spent[2] = spent[0] + seconds, spent[1] + tokens, spent[2] + 1
         if spent[2] >= self.trial:
@@ -141,7 +143,7 @@ class CostGate:
             self.strikes = 0
             return
         if not again:
-            self.failed[size] = [seconds, tokens, 2]
+            self.failed[size] = [seconds, tokens, TIMED]
             return
         # the trial's extra time: at most OVERHEAD of the steps until the next; half that share for each failing trial before
         self.paused = min(math.ceil(self.trial * (1 / speedup - 1) / OVERHEAD) << min(self.strikes, 10), MAX_PAUSE)
