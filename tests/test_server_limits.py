@@ -134,6 +134,23 @@ def test_a_dead_engine_process_fails_health_and_requests(tiny_model_dir):
         assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event(tiny_model_dir, n):
+    """The status is already sent: the stream's last events are one OpenAI error payload and [DONE]."""
+    with running_server(str(tiny_model_dir), make_engine=SlowEngine) as (url, app):
+        body = {**BODY, "max_tokens": 500, "n": n, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            events = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
+            assert json.loads(next(events))["choices"][0]["text"] is not None
+            engine = app.state.server.async_engine
+            engine.process.kill()
+            engine.process.join()
+            rest = list(events)
+        assert rest[-1] == "[DONE]" and len(rest) < 500
+        errors = [json.loads(e) for e in rest[:-1] if '"error"' in e]
+        assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error" and "exited" in errors[0]["error"]["message"]
+
+
 def test_a_big_request_and_big_outputs_crossing_at_once_do_not_deadlock(tmp_path):
     """A 40,000-token prompt (~80 KB down the pipe) sent while the engine makes another's prompt logprobs (MBs back):
     the HTTP process must go on reading the engine's outputs while the request waits to be written, or both ends

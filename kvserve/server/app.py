@@ -5,7 +5,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -42,36 +42,34 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several requests' outputs as they come; closing this closes (and aborts) them all."""
-    if len(streams) == 1:  # the common case (n=1) skips the task and queue hop per token
-        try:
-            async for out in streams[0]:
-                yield 0, out
-        finally:
-            await streams[0].aclose()
-        return
+def merge(streams: list[AsyncIterator[tuple[int, RequestOutput]]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Several requests' outputs, each with its request's index, as they come; closing this closes (and aborts) them
+    all. One request's stream is its own (n=1, the common case: no task, queue or generator more per token)."""
+    return streams[0] if len(streams) == 1 else _interleave(streams)
+
+
+async def _interleave(streams: list[AsyncIterator[tuple[int, RequestOutput]]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(stream: AsyncIterator[tuple[int, RequestOutput]]) -> None:
         try:
-            async for out in stream:
-                queue.put_nowait((index, out))
+            async for item in stream:
+                queue.put_nowait(item)
         except Exception as e:
-            queue.put_nowait((index, e))
-        queue.put_nowait((index, None))
+            queue.put_nowait(e)
+        queue.put_nowait(None)
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
     try:
         remaining = len(tasks)
         while remaining:
-            index, item = await queue.get()
+            item = await queue.get()
             if item is None:
                 remaining -= 1
             elif isinstance(item, Exception):
                 raise item
             else:
-                yield index, item
+                yield item
     finally:
         for task in tasks:
             task.cancel()
@@ -181,11 +179,12 @@ class Server:
         decode = self.tokenizer.decode if self.tokenizer else lambda _: ""
         return [p if isinstance(p, str) else decode(t) for p, t in zip(prompts, ids)]
 
-    async def _collect(self, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    async def _collect(self, streams: list[AsyncIterator[tuple[int, RequestOutput]]]) -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
-        async for index, out in merge(streams):
-            if out.finished:
-                finals[index] = out
+        async with aclosing(merge(streams)) as merged:
+            async for index, out in merged:
+                if out.finished:
+                    finals[index] = out
         return [finals[i] for i in range(len(streams))]
 
     def _stream(self, chunks: AsyncIterator[str]) -> StreamingResponse:
@@ -240,27 +239,20 @@ class Server:
 
 async def choice_updates(streams, n: int) -> AsyncIterator[tuple[int, CompletionOutput, RequestOutput] | dict]:
     """Each completion's updates as its prompt's request streams: (choice index = prompt * n + completion,
-    the completion, its request's output); a failure becomes one OpenAI error payload."""
+    the completion, its request's output); a failure mid-stream becomes one OpenAI error payload (the status is
+    already sent). Closing this closes (and aborts) the requests."""
     done = set()
-    async for i, out in merge_or_error(streams):
-        if isinstance(out, dict):
-            yield out
-            return
-        for c in out.outputs:
-            index = i * n + c.index
-            if index not in done and (c.new_token_ids or c.new_text or c.finished):
-                if c.finished:
-                    done.add(index)
-                yield index, c, out
-
-
-async def merge_or_error(streams) -> AsyncIterator[tuple[int, RequestOutput | dict]]:
-    """Like merge, but a failure mid-stream becomes one OpenAI error payload (the status is already sent)."""
-    try:
-        async for item in merge(streams):
-            yield item
-    except (KVServeError, EngineDeadError) as e:
-        yield -1, {"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}
+    async with aclosing(merge(streams)) as merged:
+        try:
+            async for i, out in merged:
+                for c in out.outputs:
+                    index = i * n + c.index
+                    if index not in done and (c.new_token_ids or c.new_text or c.finished):
+                        if c.finished:
+                            done.add(index)
+                        yield index, c, out
+        except (KVServeError, EngineDeadError) as e:
+            yield {"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}
 
 
 def _usage_field(req: SamplingRequest) -> dict:

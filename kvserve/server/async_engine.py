@@ -110,9 +110,10 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._alive
 
-    async def add(self, jobs: list[tuple[str, list[int], SamplingParams]]) -> list[AsyncIterator[RequestOutput]]:
+    async def add(self, jobs: list[tuple[str, list[int], SamplingParams]]) -> list[AsyncIterator[tuple[int, RequestOutput]]]:
         """Start one HTTP request's engine requests (request id, prompt token ids, params), all or none; each one's
-        outputs as they arrive. The engine validates them: its KVServeError, or QueueFullError at the waiting bound."""
+        outputs as they arrive, with its place in `jobs`. The engine validates them: its KVServeError, or
+        QueueFullError at the waiting bound."""
         queues = [asyncio.Queue() for _ in jobs]
         self._streams.update((request_id, q) for (request_id, _, _), q in zip(jobs, queues))
         try:
@@ -122,13 +123,13 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             raise
         self.metrics.prompt_tokens.inc(sum(len(ids) for _, ids, _ in jobs))
-        return [self._stream(request_id, q) for (request_id, _, _), q in zip(jobs, queues)]
+        return [self._stream(request_id, q, index) for index, ((request_id, _, _), q) in enumerate(zip(jobs, queues))]
 
     async def snapshot(self) -> dict:
         """The block pool as the engine sees it between two steps, with the recent latencies."""
         return {**await self._call("snapshot"), "history": list(self.usage_history), **self.recent.summary()}
 
-    async def _stream(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, outputs: asyncio.Queue, index: int) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Leaving early (a disconnect) aborts the request."""
         finished = False
         try:
@@ -137,7 +138,7 @@ class AsyncEngine:
                 if isinstance(out, Exception):
                     raise out
                 finished = out.finished
-                yield out
+                yield index, out
         finally:
             self._streams.pop(request_id, None)
             if not finished:
