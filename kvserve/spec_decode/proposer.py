@@ -63,8 +63,9 @@ class CostGate:
     guesses there and ran at 0.88x)."""
 
     def __init__(self, min_speedup: int, trial: int = 16, probe_every: int = 128):
-        """Every `trial` guessing steps of a batch size, their tokens a second against the median of its last 3
-        plain steps; below min_speedup percent, two plain steps are timed and the trial judged again against them
+        """Every `trial` guessing steps of a batch size, their tokens a second against the faster of its last two
+        timed plain steps (what interrupts a step only ever adds to its time: a median of three, one of them an 8 ms
+        outlier among 3.4 ms steps, let eagle's trials pass at 0.8x for a hundred steps); below min_speedup percent, two plain steps are timed and the trial judged again against them
         (a machine that slowed down during the trial slows them too), and if it still falls short, a pause
         (OVERHEAD). A batch size's first steps, and two after its first trial and after every `probe_every`
         guessing steps since (contexts grow, steps slow down), run plain to time it: an engine's first plain steps,
@@ -114,7 +115,7 @@ class CostGate:
         if not guessed:
             if self.plain_run[1] <= SETTLE or features:
                 return
-            self.plain.setdefault(size, deque(maxlen=3)).append(seconds / tokens)
+            self.plain.setdefault(size, deque(maxlen=TIMED)).append(seconds / tokens)
             self.since_plain[size] = 0
             self.untimed[size] = max(0, self.untimed.get(size, TIMED) - 1)
             if size in self.failed:
@@ -138,7 +139,7 @@ class CostGate:
 
     def _judge(self, size: int, seconds: float, tokens: int, again: bool) -> None:
         """A trial of guessing steps that took `seconds` for `tokens`, against the batch size's recent plain steps."""
-        speedup = statistics.median(self.plain[size]) * tokens / seconds
+        speedup = min(self.plain[size]) * tokens / seconds
         if 100 * speedup >= self.min_speedup:
             self.strikes = 0
             return
