@@ -5,7 +5,6 @@ apart from its draft's guesses, so that a draft that loses does not shut the cop
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from typing import Any
 
@@ -65,16 +64,16 @@ class CostGate:
     def __init__(self, min_speedup: int, trial: int = 16, probe_every: int = 128):
         """Every `trial` guessing steps of a batch size, their tokens a second against the faster of its last two
         timed plain steps (what interrupts a step only ever adds to its time: a median of three, one of them an 8 ms
-        outlier among 3.4 ms steps, let eagle's trials pass at 0.8x for a hundred steps); below min_speedup percent, two plain steps are timed and the trial judged again against them
-        (a machine that slowed down during the trial slows them too), and if it still falls short, a pause
-        (OVERHEAD). A batch size's first steps, and two after its first trial and after every `probe_every`
-        guessing steps since (contexts grow, steps slow down), run plain to time it: an engine's first plain steps,
-        timed alone, ran 1.3-1.4x its later ones on a 2-core Xeon, and eagle passed trials against them for 224
-        guessing steps at 0.89-0.94x of plain decoding. 0: off. The proposers' 90 lets a CPU's marginal gains be: at
-        95, noisy trials shut eagle on open prompts (1.02x where it ran at 1.05x ungated); 8-step trials, noisier,
-        kept 2.58 tokens a step of eagle's 2.95 rewriting. Judged against plain steps timed before it alone, a trial
-        of guesses that were all kept (4 tokens a step) was once shut by a test run beside it. Only plain steps that
-        follow SETTLE plain steps of their batch size are timed."""
+        outlier among 3.4 ms steps, let eagle's trials pass at 0.8x for a hundred steps); below min_speedup percent,
+        two plain steps are timed and the trial judged again against them (a machine that slowed down during the trial
+        slows them too), and if it still falls short, a pause (OVERHEAD). A batch size's first steps, and two after
+        its first trial and after every `probe_every` guessing steps since (contexts grow, steps slow down), run plain
+        to time it: an engine's first plain steps, timed alone, ran 1.3-1.4x its later ones on a 2-core Xeon, and
+        eagle passed trials against them for 224 guessing steps at 0.89-0.94x of plain decoding. 0: off. The
+        proposers' 90 lets a CPU's marginal gains be: at 95, noisy trials shut eagle on open prompts (1.02x where it
+        ran at 1.05x ungated); 8-step trials, noisier, kept 2.58 tokens a step of eagle's 2.95 rewriting. Judged
+        against plain steps timed before it alone, a trial of guesses that were all kept (4 tokens a step) was once
+        shut by a test run beside it. Only plain steps that follow SETTLE plain steps of their batch size are timed."""
         self.min_speedup, self.trial, self.probe_every = min_speedup, trial, probe_every
         self.plain: dict[int, deque[float]] = {}  # batch size -> its recent plain steps' seconds a token
         self.untimed: dict[int, int] = {}  # batch size -> plain steps to time before it guesses again (TIMED at first)
