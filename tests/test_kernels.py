@@ -338,3 +338,15 @@ def test_quantized_caches_run_the_stack_with_the_module_paths_logits(kv_dtype):
     tokens and logprobs as fused layers and as modules."""
     llm = LLM("smollm2-135m", kv_cache_memory="64MiB", kv_cache_dtype=kv_dtype)
     assert_fused_paths_agree(llm, ["The three primary colors are", "def fibonacci(n):"], greedy(16, logprobs=2), tolerance=1e-5)
+
+
+def test_a_first_build_of_the_kernels_is_announced_and_a_cached_one_is_not(tmp_path, monkeypatch, caplog):
+    from kvserve.kernels import announce_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    announce_build("kvserve_kernels_test")
+    assert "compiling the native CPU kernels" in caplog.text
+    caplog.clear()
+    (tmp_path / "kvserve_kernels_test" / "kvserve_kernels_test.so").touch()
+    announce_build("kvserve_kernels_test")
+    assert caplog.text == ""

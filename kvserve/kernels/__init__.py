@@ -49,8 +49,19 @@ def native_module():
         here = Path(__file__).parent
         # torch's build cache hashes the sources only; the name carries every file's digest, headers included
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(here.glob("*.[ch]*")))).hexdigest()[:12]
+        announce_build(f"kvserve_kernels_{digest}")
         return load(name=f"kvserve_kernels_{digest}", sources=[str(here / s) for s in SOURCES], is_python_module=True,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler or headers: slower, never wrong
         logger.warning("kvserve kernels unavailable (%s); using plain torch", e)
         return None
+
+
+def announce_build(name: str) -> None:
+    """Say so when the kernels named `name` are not built yet: the build takes minutes on 2 cores, silent otherwise."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # where load() builds and caches them (private)
+    except ImportError:
+        return
+    if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+        logger.warning("kvserve: compiling the native CPU kernels (once after an install or update; a few minutes on 2 cores)")
