@@ -758,7 +758,7 @@ def test_distill_eagle_trains_a_feature_draft_whose_guesses_verify(tmp_path):
     assert LLM(str(tmp_path / "target"), speculative=f"eagle:model={tmp_path / 'draft'}", **FP32).engine.proposer.k == 2  # k: its depth
     spec = LLM(str(tmp_path / "target"), speculative=f"eagle:model={tmp_path / 'draft'},k=3,min_acceptance=0,min_speedup=0", **FP32)
     seen = []
-    spec.engine.observe_features(lambda seqs, features: seen.extend((s.token_ids[-1], f) for s, f in zip(seqs, features)))
+    spec.engine.observe_features(lambda seqs, states, rows: seen.extend((s.token_ids[-1], states[r].clone()) for s, r in zip(seqs, rows)))
     spec_out = spec.generate(prompts[10:14], greedy(28), use_tqdm=False)  # answers it trained on
     assert [o.outputs[0].token_ids for o in spec_out] == [o.outputs[0].token_ids for o in plain_out[10:14]]
     assert sum(o.metrics.num_accepted_tokens for o in spec_out) > 0
@@ -782,19 +782,22 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
     cpu = dict(FP32, device="cpu")  # the native op is the CPU's
     llm = LLM("smollm2-135m", speculative=f"eagle:model={tmp_path},k=3,min_acceptance=0,min_speedup=0", **cpu)
     proposer = llm.engine.proposer
-    fused, tokens, features = proposer.fused, torch.randint(0, 49152, (4,)), torch.randn(4, 576)
+    fused, tokens = proposer.fused, torch.randint(0, 49152, (4,)).tolist()
+    states, rows = [torch.randn(3, 576), torch.randn(2, 576)], [2, 0, 1, 1]  # each sequence's state: a row of its step's
+    states = [states[0], states[1], states[0], states[1]]
     assert fused is not None
-    guesses = proposer.guess(tokens, features, 5)
+    guesses = proposer.guess(tokens, states, rows, 5)
     proposer.fused = None
-    assert torch.equal(proposer.guess(tokens, features, 5), guesses)
-    assert guesses.shape == (4, 5) and set(guesses.flatten().tolist()) <= set(listed) and len(set(guesses.flatten().tolist())) > 2
+    assert proposer.guess(tokens, states, rows, 5) == guesses
+    assert torch.tensor(guesses).shape == (4, 5) and set(sum(guesses, [])) <= set(listed) and len(set(sum(guesses, []))) > 2
+    assert proposer.guess(tokens[:1], [states[0][2:]], [0], 5) == guesses[:1]  # the state, not where it lies
     proposer.width = 3  # a tree: the chain, then the first guess's two runners-up
-    wide = proposer.guess(tokens, features, 2)
-    assert torch.equal(wide, fused.propose(tokens, features, 2, 3))
-    assert wide.shape == (4, 4) and torch.equal(wide[:, :2], guesses[:, :2])
-    assert all(len(set(row[[0, 2, 3]].tolist())) == 3 for row in wide) and proposer.parents(_Seq([]), 4) == [-1, 0, -1, -1]
+    wide = proposer.guess(tokens, states, rows, 2)
+    assert wide == [fused.propose(tokens, states, rows, 2, 3)[i * 4:(i + 1) * 4] for i in range(4)]
+    assert [row[:2] for row in wide] == [row[:2] for row in guesses]
+    assert all(len({row[0], row[2], row[3]}) == 3 for row in wide) and proposer.parents(_Seq([]), 4) == [-1, 0, -1, -1]
     proposer.fused = fused
-    assert torch.equal(proposer.guess(tokens, features, 2), wide)
+    assert proposer.guess(tokens, states, rows, 2) == wide
     proposer.width = 1
     prompts, params = ["Once upon a time", smollm2.apply_chat_template(COPY)], greedy(16)
     target = smollm2 if smollm2.engine.runner.device.type == "cpu" else LLM("smollm2-135m", **cpu)
@@ -807,7 +810,9 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
     assert [o.outputs[0].token_ids for o in tree] == plain
     assert sum(o.metrics.num_draft_tokens for o in tree) > sum(o.metrics.num_draft_tokens for o in spec)
     with pytest.raises(RuntimeError, match="past the embedding"):
-        fused.propose(torch.tensor([49152]), features[:1], 1, 1)
+        fused.propose([49152], states[:1], [0], 1, 1)
+    with pytest.raises(RuntimeError, match="a state is row < 3"):
+        fused.propose([5], states[:1], [3], 1, 1)
 
 
 def test_model_proposers_guess_by_lookup_where_the_text_repeats(tmp_path, smollm2):

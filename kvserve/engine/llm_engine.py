@@ -180,10 +180,10 @@ class LLMEngine:
                                    f"blocks of {bs} tokens")
         return policy
 
-    def observe_features(self, callback: Callable[[list[Sequence], torch.Tensor], None],
+    def observe_features(self, callback: Callable[[list[Sequence], torch.Tensor, list[int]], None],
                          wanted: Callable[[], bool] | None = None) -> Callable[[], None]:
-        """After every step, callback(seqs, features): each sampling sequence's final hidden state [hidden] that gave
-        its newest token (a feature draft reads them; distillation records them). `wanted`: asked before each step,
+        """After every step, callback(seqs, states, rows): row rows[i] of the step's final hidden states [rows, hidden]
+        is the one that gave seqs[i] its newest token (a feature draft reads them; distillation records them). `wanted`: asked before each step,
         whether the callback needs that step's (None: always); a step no observer wants keeps none (picking the
         rows cost a paused feature draft's steps 4%). Returns what stops it."""
         observer = (callback, wanted)
@@ -231,7 +231,7 @@ class LLMEngine:
         deltas = self.output.process(step)
         if step.features is not None:  # a step of swaps only has none
             for observe, _ in self.feature_observers:
-                observe(step.seqs, step.features)
+                observe(step.seqs, step.features, step.feature_rows)
         outputs = [self._request_output(request_id, deltas) for request_id in touched]
         if not self.config.use_kv_cache:
             self._drop_kv(batch)

@@ -5,7 +5,8 @@ They register as torch ops under torch.ops.kvserve: gguf_pack, gguf_select, gguf
 set_kernel_isa, kernel_seconds, attention_seconds, paged_decode_attention, rms_norm, rope_, silu_and_mul; and the classes
 torch.classes.kvserve.DecodeLayer (a Llama-family decoder layer for decode steps), DecodeStack (a model's
 DecoderLayers bound to their KV stores, run in one call) and FeatureDraft (an EAGLE-style draft's guesses in one call);
-and, in its Python module (native_module), WholeStep: a DecodeStack's whole decode step as a plain pybind11 call.
+and, in its Python module (native_module), WholeStep and DraftStep: a DecodeStack's whole decode step and a
+FeatureDraft's guesses as plain pybind11 calls.
 """
 from __future__ import annotations
 

@@ -502,11 +502,11 @@ def answers(teacher: LLM, count: int, seed: int, max_tokens: int = 256, states: 
     buffer = torch.empty(count * max_tokens, teacher.engine.checkpoint.config.hidden_size) if states else None
     regions: dict[str, list[int]] = {}  # request id -> [its region's first row, rows written]
 
-    def record(seqs, features: torch.Tensor) -> None:
+    def record(seqs, features: torch.Tensor, rows: list[int]) -> None:
         features = features.to("cpu", torch.float32)  # one copy a step from a GPU, not one a row
-        for seq, feature in zip(seqs, features):
+        for seq, row in zip(seqs, rows):
             region = regions.setdefault(seq.request_id, [len(regions) * max_tokens, 0])
-            buffer[region[0] + region[1]] = feature
+            buffer[region[0] + region[1]] = features[row]
             region[1] += 1
 
     stop = teacher.engine.observe_features(record) if states else None

@@ -21,7 +21,7 @@ from torch import nn
 
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
-from kvserve.kernels import native_ops
+from kvserve.kernels import native_module, native_ops
 from kvserve.layers.linear import Linear, VocabSubset
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import gather_on_huge_pages
@@ -66,18 +66,19 @@ class FeatureDraft(nn.Module):
         for linear in (self.fc, self.gate_up_proj, self.down_proj):
             linear.int8_activations = int8_activations
 
-    def fuse(self, head: VocabSubset, target: CausalLM) -> torch.ScriptObject | None:
-        """The block, `head` and the target's embedding as one native op making all of a step's guesses
-        (kernels/decode_layer.cpp: FeatureDraft), where all three are packed and the embedding is plain rows (Gemma
-        scales its); else None."""
+    def fuse(self, head: VocabSubset, target: CausalLM) -> object | None:
+        """The block, `head` and the target's embedding as one native call making all of a step's guesses
+        (kernels/decode_layer.cpp: FeatureDraft, called through DraftStep), where all three are packed and the
+        embedding is plain rows (Gemma scales its); else None."""
         linears, embed = (self.fc, self.gate_up_proj, self.down_proj, head.head), target.embed_tokens
         if (self.ops is None or type(target).embed is not CausalLM.embed or embed.qweight is None or len(embed.qweight.parts) != 1
                 or any(m.qweight is None for m in linears) or len({m.int8_activations for m in linears}) > 1):
             return None
         fc, gate_up, down, head_rows = (m.qweight.kernel_args for m in linears)
         (embed_rows,), (embed_type,) = embed.qweight.kernel_args
-        return torch.classes.kvserve.FeatureDraft(*fc, self.norm.weight, self.norm.eps, *gate_up, *down, self.out_norm.weight,
-                                                  self.out_norm.eps, *head_rows, head.ids, embed_rows, embed_type, self.fc.int8_activations)
+        draft = torch.classes.kvserve.FeatureDraft(*fc, self.norm.weight, self.norm.eps, *gate_up, *down, self.out_norm.weight,
+                                                   self.out_norm.eps, *head_rows, head.ids, embed_rows, embed_type, self.fc.int8_activations)
+        return native_module().DraftStep(draft)
 
     def save(self, out: Path, vocab: list[int] | None) -> None:
         out.mkdir(parents=True, exist_ok=True)
@@ -138,12 +139,11 @@ class EagleProposer(Proposer):
         self.fused, self.fused_rows = draft.fuse(self.head, target), min(m.kernel_rows for m in linears)
         engine.observe_features(self.observe, self.may_guess_next)
 
-    def observe(self, seqs: list[Sequence], features: torch.Tensor) -> None:
-        for i, seq in enumerate(seqs):  # the rows are picked when guessing (a row a view: ~15 us each on cold caches)
+    def observe(self, seqs: list[Sequence], states: torch.Tensor, rows: list[int]) -> None:
+        for seq, row in zip(seqs, rows):  # the rows are read when guessing (a row a view: ~15 us each on cold caches)
             if not seq.is_finished:
-                self.state(seq).own = (seq.num_tokens, features, i)
+                self.state(seq).own = (seq.num_tokens, states, row)
 
-    @torch.inference_mode()
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         """k greedy steps (at most its limit), then the first step's other candidates, for every sequence whose
         newest token came with its hidden state (not one whose tokens a preemption's recompute or a stop string
@@ -152,10 +152,10 @@ class EagleProposer(Proposer):
         guesses: list[list[int]] = [[] for _ in seqs]
         if not ready:
             return guesses
-        tokens = torch.tensor([seqs[i].token_ids[-1] for i in ready], device=self.head.ids.device)
-        features = torch.stack([rows[row] for _, rows, row in (self.state(seqs[i]).own for i in ready)])
+        owns = [self.state(seqs[i]).own for i in ready]
         k = max(limits[i] for i in ready)
-        for i, row in zip(ready, self.guess(tokens, features, k).tolist()):
+        made = self.guess([seqs[i].token_ids[-1] for i in ready], [states for _, states, _ in owns], [row for _, _, row in owns], k)
+        for i, row in zip(ready, made):
             guesses[i] = row[:limits[i]] + row[k:]
         return guesses
 
@@ -164,11 +164,17 @@ class EagleProposer(Proposer):
             return chain(count)
         return chain(count - self.width + 1) + [-1] * (self.width - 1) if count else []
 
-    def guess(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
-        """[B, k + width - 1]: k greedy guesses after each row's newest token [B] and the hidden state that gave it
-        [B, hidden], then the first guess's width - 1 runners-up, likeliest first."""
+    def guess(self, tokens: list[int], states: list[torch.Tensor], rows: list[int], k: int) -> list[list[int]]:
+        """Each sequence's k greedy guesses after its newest token, from the hidden state that gave it (row rows[i] of
+        states[i]), then its first guess's width - 1 runners-up, likeliest first."""
         if self.fused is not None and len(tokens) <= self.fused_rows:  # more rows: the modules' GEMM path multiplies them
-            return self.fused.propose(tokens, features, k, self.width)
+            made, size = self.fused.propose(tokens, states, rows, k, self.width), k + self.width - 1
+            return [made[i:i + size] for i in range(0, len(made), size)]
+        return self._guess_modules(torch.tensor(tokens, device=self.head.ids.device),
+                                   torch.stack([s[row] for s, row in zip(states, rows)]), k).tolist()
+
+    @torch.inference_mode()
+    def _guess_modules(self, tokens: torch.Tensor, features: torch.Tensor, k: int) -> torch.Tensor:
         steps, others = [], []
         for step in range(k):
             features = self.draft(self.embed(tokens), features)
