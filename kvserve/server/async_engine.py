@@ -230,7 +230,8 @@ class AsyncEngine:
         """The engine's counters and gauges, and the tokens and gaps seen since the last stats: observed together,
         not a token at a time with the caches the engine's step emptied."""
         m, usage = self.metrics, stats["usage"]
-        m.itl.observe_many(self._gaps)
+        for gap in self._gaps:
+            m.itl.observe(gap)
         m.generation_tokens.inc(self._new_tokens)
         self._gaps, self._new_tokens = [], 0
         m.record_stats(stats["scheduler"])
