@@ -183,9 +183,9 @@ class LLMEngine:
     def observe_features(self, callback: Callable[[list[Sequence], torch.Tensor, list[int]], None],
                          wanted: Callable[[], bool] | None = None) -> Callable[[], None]:
         """After every step, callback(seqs, states, rows): row rows[i] of the step's final hidden states [rows, hidden]
-        is the one that gave seqs[i] its newest token (a feature draft reads them; distillation records them). `wanted`: asked before each step,
-        whether the callback needs that step's (None: always); a step no observer wants keeps none (picking the
-        rows cost a paused feature draft's steps 4%). Returns what stops it."""
+        is the one that gave seqs[i] its newest token (a feature draft reads them; distillation records them).
+        `wanted`: asked before each step, whether the callback needs that step's (None: always); a step no observer
+        wants keeps none (picking the rows cost a paused feature draft's steps 4%). Returns what stops it."""
         observer = (callback, wanted)
         self.feature_observers.append(observer)
         return lambda: self.feature_observers.remove(observer)
