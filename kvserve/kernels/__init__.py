@@ -61,8 +61,10 @@ def native_module():
 def announce_build(name: str) -> None:
     """Say so when the kernels named `name` are not built yet: the build takes minutes on 2 cores, silent otherwise."""
     try:
-        from torch.utils.cpp_extension import _get_build_directory  # where load() builds and caches them (private)
-    except ImportError:
+        from torch.utils.cpp_extension import _get_build_directory  # where load() builds and caches them
+
+        built = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except Exception:  # a private function of torch's: a notice is not worth losing the kernels over
         return
-    if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+    if not built:
         logger.warning("kvserve: compiling the native CPU kernels (once after an install or update; a few minutes on 2 cores)")
