@@ -27,7 +27,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.kernels import native_ops
+from kvserve.kernels import cpu_description, native_ops
 from kvserve.models.loader import transformers_model
 from kvserve.models.registry import resolve_model_path
 
@@ -142,6 +142,7 @@ def main() -> None:
 
     print(f"\nbatch-1 decode, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, {DEVICE}, "
           f"KV cache {kv}")
+    print(f"CPU: {cpu_description()}")
     print(f"  kvserve (KV cache)      {with_cache:8.1f} tok/s")
     print(f"  kvserve (plain torch)   {fp32_weights:8.1f} tok/s")
     print(f"  kvserve (no_cache)      {no_cache:8.1f} tok/s")

@@ -17,6 +17,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
+from kvserve.kernels import cpu_description
 from kvserve.models.loader import transformers_model
 from kvserve.models.registry import resolve_model_path
 
@@ -53,6 +54,7 @@ def main() -> None:
     print(f"\nprefill, {torch.get_num_threads()} threads, {DEVICE}; kvserve matmuls in "
           f"{llm.engine.runner.model.describe_matmuls()}{', batch-invariant' if args.batch_invariant else ''}, transformers in fp32; "
           f"median of {args.rounds}")
+    print(f"CPU: {cpu_description()}")
     for n in lengths:
         ours, theirs = [], []
         for _ in range(args.rounds):

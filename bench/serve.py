@@ -29,6 +29,7 @@ import time
 import httpx
 
 from kvserve import LLM, SamplingParams
+from kvserve.kernels import cpu_description
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -196,6 +197,7 @@ def main() -> None:
         offline[top] = offline_rate(llm, make(num_requests(top)), top, args.new_tokens)
 
     print(f"\nprompts {args.prompt_len} tokens, {args.new_tokens} new tokens, streaming completions on loopback")
+    print(f"CPU: {cpu_description()}")
     for n, c, k, r in rows:
         print(f"  stream interval {n}, concurrency {c:3d} ({k:3d} requests): {r['tokens_per_s']:7.1f} output tok/s   "
               f"TTFT p50 {percentile(r['ttft'], .5) * 1000:7.0f} ms  p99 {percentile(r['ttft'], .99) * 1000:7.0f} ms   "

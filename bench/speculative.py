@@ -22,6 +22,7 @@ import statistics
 import time
 
 from kvserve import LLM, SamplingParams
+from kvserve.kernels import cpu_description
 
 PARAGRAPHS = [
     "The city council met on Tuesday to discuss the new budget. After a long debate, the members agreed to spend more "
@@ -85,6 +86,7 @@ def main() -> None:
 
     print(f"{args.model} ({args.dtype}), greedy, up to {args.max_tokens} new tokens; each prompt's median of {args.rounds} rounds, "
           f"averaged over a workload's prompts")
+    print(f"CPU: {cpu_description()}")
     for load in loads:
         mine = [u for u, unit in enumerate(units) if unit[0] == load]
         typical = lambda name, field: statistics.mean(statistics.median(x[field] for x in results[(u, name)]) for u in mine)  # noqa: E731

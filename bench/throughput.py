@@ -25,6 +25,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
+from kvserve.kernels import cpu_description
 from kvserve.memory import load_spec
 from kvserve.models.loader import transformers_model
 from kvserve.models.registry import resolve_model_path
@@ -138,6 +139,7 @@ def main() -> None:
           f"{args.new_tokens} new tokens each, batch {args.max_num_seqs}, {budget} tokens a step, {torch.get_num_threads()} threads, "
           f"{DEVICE}, "
           f"kvserve matmuls in {matmuls}, KV cache {kv}, pool {pool}")
+    print(f"CPU: {cpu_description()}")
     for r in results:
         ttft = f"TTFT p50 {percentile(r.ttft, 0.5):6.1f} s  p99 {percentile(r.ttft, 0.99):6.1f} s" if r.ttft else "TTFT n/a"
         waste = f"KV waste {r.kv_waste * 100:5.1f}%" if r.kv_waste is not None else ""

@@ -357,3 +357,15 @@ def test_a_first_build_of_the_kernels_is_announced_and_a_cached_one_is_not(tmp_p
     monkeypatch.setattr("torch.utils.cpp_extension._get_build_directory", changed)
     announce_build("kvserve_kernels_other")  # no notice, and no error to cost the kernels
     assert caplog.text == ""
+
+
+def test_the_cpu_description_names_the_first_processor_and_the_kernels_isa(tmp_path):
+    from kvserve.kernels import cpu_description
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n\n"
+                       "processor\t: 1\ncpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Other CPU\n")
+    isa = native_ops().kernel_isa() if native_ops() is not None else "none (plain torch)"
+    assert cpu_description(cpuinfo) == f"AMD EPYC (family 25, model 1), kernels {isa}"
+    missing = cpu_description(tmp_path / "absent")  # not Linux: the platform's name, still with the ISA
+    assert missing.endswith(f", kernels {isa}") and "family" not in missing

@@ -68,3 +68,21 @@ def announce_build(name: str) -> None:
         return
     if not built:
         logger.warning("kvserve: compiling the native CPU kernels (once after an install or update; a few minutes on 2 cores)")
+
+
+def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU and the kernels' instruction set, for a benchmark's header (ratios are only comparable on one
+    machine), e.g. 'AMD EPYC (family 25, model 1), kernels avx2'. Linux's cpuinfo names the CPU; elsewhere,
+    platform.processor()."""
+    fields: dict[str, str] = {}
+    try:
+        for line in cpuinfo.read_text().splitlines():  # the first processor's fields
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    ops = native_ops()
+    return f"{name}, kernels {ops.kernel_isa() if ops is not None else 'none (plain torch)'}"
