@@ -793,7 +793,8 @@ def test_a_feature_drafts_native_guesses_are_its_modules_guesses(tmp_path, smoll
     assert proposer.guess(tokens[:1], [states[0][2:]], [0], 5) == guesses[:1]  # the state, not where it lies
     proposer.width = 3  # a tree: the chain, then the first guess's two runners-up
     wide = proposer.guess(tokens, states, rows, 2)
-    assert wide == [fused.propose(tokens, states, rows, 2, 3)[i * 4:(i + 1) * 4] for i in range(4)]
+    flat = fused.propose(tokens, states, rows, 2, 3)
+    assert wide == [flat[i * 4:(i + 1) * 4] for i in range(4)]
     assert [row[:2] for row in wide] == [row[:2] for row in guesses]
     assert all(len({row[0], row[2], row[3]}) == 3 for row in wide) and proposer.parents(_Seq([]), 4) == [-1, 0, -1, -1]
     proposer.fused = fused
