@@ -196,6 +196,45 @@ def test_paged_decode_attention_equals_sdpa(heads, kv_heads, dim, window, isa):
         torch.testing.assert_close(out[b], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dim", [16, 64, 72])  # a vector of values; two 32-value runs; two and a vector
+@pytest.mark.parametrize("window", [0, 5, 40])  # 0: none; windows shorter than a tile of queries and longer than 16 keys
+@pytest.mark.parametrize("block_size", [8, 16, 48])
+def test_paged_prompt_attention_equals_sdpa(heads, kv_heads, dim, window, block_size):
+    """Chunks of 1-70 queries after 0-90 cached keys (tiles of 16 queries, runs of 16 keys, across blocks of other
+    sizes), each query seeing the keys up to its own (its last `window`): SDPA over the gathered keys, row by row."""
+    g = torch.Generator().manual_seed(heads * 100 + dim + window + block_size)
+    counts, before = [1, 17, 70, 33, 5], [0, 90, 3, 16, 40]
+    lens = [c + p for c, p in zip(counts, before)]
+    width = max(-(-n // block_size) for n in lens)
+    blocks = len(lens) * width
+    k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, dim, generator=g).half() for _ in range(2))
+    tables = torch.randperm(blocks, generator=g)[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(sum(counts), heads, dim, generator=g)
+    offsets = np.cumsum([0] + counts)
+    index = torch.tensor([[o + min(i, c - 1) for i in range(max(counts))] for o, c in zip(offsets, counts)])  # padding repeats the last
+    out = native_ops().paged_prompt_attention(q, [k_cache], [v_cache], tables, torch.tensor(lens), index, 0.3, 1, 1, [], [], 0, window)
+    assert out.shape == q.shape
+    for b, (n, c) in enumerate(zip(lens, counts)):
+        keys, values = (x[tables[b]].flatten(0, 1)[:n].float().transpose(0, 1) for x in (k_cache, v_cache))
+        pos = torch.arange(n - c, n)[:, None]
+        mask = (torch.arange(n)[None] <= pos) & ((torch.arange(n)[None] > pos - window) if window else True)
+        expected = F.scaled_dot_product_attention(q[offsets[b]:offsets[b + 1]].transpose(0, 1), keys, values, attn_mask=mask,
+                                                  scale=0.3, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[offsets[b]:offsets[b + 1]], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_prompt_attention_rejects_bad_query_rows():
+    cache = torch.zeros(4, 4, 1, 8)
+    attend = lambda index, lens: native_ops().paged_prompt_attention(  # noqa: E731
+        torch.zeros(3, 1, 8), [cache], [cache], torch.tensor([[0, 1]]), torch.tensor([lens]), torch.tensor([index]), 1.0, 0, 0, [], [], 0)
+    with pytest.raises(RuntimeError, match="query index 3 is outside q"):
+        attend([0, 3], 5)
+    with pytest.raises(RuntimeError, match="sequence 0 has more queries than keys"):
+        attend([0, 1, 2], 2)
+    assert attend([0, 1, 2], 5).shape == (3, 1, 8)
+
+
 @pytest.mark.parametrize("length", [70, 130, 300, 700, 2000])
 def test_paged_decode_attention_of_a_row_does_not_depend_on_its_batch(length, isa):
     """A query's output is bit for bit the same alone and beside longer ones: a speculative step's verification

@@ -233,7 +233,8 @@ def test_native_decode_reads_every_fp8_code_as_torch_does(name):
 
 
 @pytest.mark.parametrize("k_dtype,v_dtype", DTYPES, ids=lambda d: d)
-def test_prefill_chunks_attend_over_dequantized_copy(k_dtype, v_dtype):
+@pytest.mark.parametrize("backend", [SDPABackend, NativeCPUBackend] if native_ops() else [SDPABackend], ids=["sdpa", "native"][:1 + bool(native_ops())])
+def test_prefill_chunks_attend_over_dequantized_copy(k_dtype, v_dtype, backend):
     cache, tables = _filled_cache(k_dtype, v_dtype)
     counts = torch.tensor([1, 5, 16, 3, 24])  # each sequence's last `count` tokens are this step's chunk
     starts = torch.tensor(LENS) - counts
@@ -241,7 +242,7 @@ def test_prefill_chunks_attend_over_dequantized_copy(k_dtype, v_dtype):
     q = torch.randn(int(counts.sum()), 6, 64, generator=G)
     group = _group((counts > 0).numpy(), starts.numpy(), counts.numpy(), offsets.numpy(), [torch.stack(tables).numpy()], BS, [None])
     out = torch.empty_like(q)
-    out[group.flat_index] = SDPABackend(cache).attend(0, 0, q, group, 1 / 8)
+    out[group.flat_index] = backend(cache).attend(0, 0, q, group, 1 / 8)
     for b, n in enumerate(LENS):
         rows = slice(int(offsets[b]), int(offsets[b] + counts[b]))
         expected = _reference(cache, tables[b], q[rows], list(range(int(starts[b]), n)))

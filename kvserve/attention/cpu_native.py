@@ -1,5 +1,6 @@
 """fp32 on CPU: decode queries go to kvserve.kernels, which reads each sequence's blocks in place, in any
-KV format, dequantizing in registers; prefill chunks use SDPA (with batch_invariant, a prompt's tokens are decode
+KV format, dequantizing in registers; prefill chunks to its prompt kernel, a tiled causal flash attention over the
+same blocks (SDPA on AMX, in bf16, for long steps; with batch_invariant, a prompt's tokens are decode
 queries too: engine/model_runner.py). A step of decodes alone writes its new K/V and attends in one call, over a
 float, fp8, int8 or int4 cache."""
 from __future__ import annotations
@@ -96,8 +97,13 @@ class NativeCPUBackend(SDPABackend):
         return super().forward(layer, q, k, v, ctx, scale, value_dims)
 
     def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float, value_dims: int | None = None) -> torch.Tensor:
-        if not group.is_decode or value_dims is not None or self.stores[j] is None:  # the kernel reads K and V stores of one width, unmerged
+        if value_dims is not None or self.stores[j] is None:  # the kernels read K and V stores of one width, unmerged
             return super().attend(g, j, q, group, scale, value_dims)
         k, v, *formats = self.stores[j]
+        if not group.is_decode:  # the prompt kernel takes head sizes of whole vectors; on AMX, SDPA's bf16 tiles are faster
+            if q.shape[-1] % 8 or (self.bf16_past is not None and q.shape[0] > self.bf16_past):
+                return super().attend(g, j, q, group, scale, value_dims)
+            return native_ops().paged_prompt_attention(q, k, v, group.block_tables[g], group.context_lens[g], group.query_index, scale,
+                                                       *formats, self.windows[g])
         return native_ops().paged_decode_attention(q if group.in_order else q[group.flat_index], k, v, group.block_tables[g],
                                                    group.context_lens[g], scale, *formats, self.windows[g], hidden=group.hidden)

@@ -20,6 +20,7 @@
 #include "timer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -761,6 +762,225 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
 
 }  // namespace kva
 
+// Prompt attention: a chunk's queries against their sequence's cache, causal (and windowed), in tiles. A task is
+// TILE query positions of one sequence and one KV head (its G query heads, TILE * G rows); it reads the keys
+// those positions see 16 at a time, widened (or dequantized) once into fp32 buffers, K transposed, so each key
+// serves every row from L1: the scores and the weighted values are small matrix products in registers, with an
+// online softmax between them (flash attention). Keys past a row's position (or before its window) are left out.
+namespace {
+
+constexpr int64_t TILE = 16, KEYS = 16;
+
+// s[r][0..16) = q[r] . K[0..16) for R rows (q rows D apart; kt: the keys transposed, [D][16]).
+template <int R>
+inline void tile_scores(const float* q, const float* kt, int64_t D, float* s) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+        const __m256 k0 = _mm256_loadu_ps(kt + d * KEYS), k1 = _mm256_loadu_ps(kt + d * KEYS + 8);
+        for (int r = 0; r < R; ++r) {
+            const __m256 x = _mm256_broadcast_ss(q + r * D + d);
+            acc[r][0] = _mm256_fmadd_ps(x, k0, acc[r][0]), acc[r][1] = _mm256_fmadd_ps(x, k1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * KEYS, acc[r][0]), _mm256_storeu_ps(s + r * KEYS + 8, acc[r][1]);
+}
+
+// o[r][c..c + 8V) += sum_j p[r][j] v[j][c..] over n keys, for R rows (p rows 16 apart, o rows D apart).
+template <int R, int V>
+inline void tile_values(const float* p, const float* v, int64_t n, int64_t D, int64_t c, float* o) {
+    __m256 acc[R][V];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < V; ++i) acc[r][i] = _mm256_loadu_ps(o + r * D + c + 8 * i);
+    for (int64_t j = 0; j < n; ++j) {
+        __m256 vj[V];
+        for (int i = 0; i < V; ++i) vj[i] = _mm256_loadu_ps(v + j * D + c + 8 * i);
+        for (int r = 0; r < R; ++r) {
+            const __m256 pr = _mm256_broadcast_ss(p + r * KEYS + j);
+            for (int i = 0; i < V; ++i) acc[r][i] = _mm256_fmadd_ps(pr, vj[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + r * D + c + 8 * i, acc[r][i]);
+}
+
+// f.template operator()<R>(first row) over `rows` rows, STEP at a time, then the rest.
+template <int STEP, typename F>
+inline void row_groups(int64_t rows, F&& f) {
+    int64_t r = 0;
+    for (; r + STEP <= rows; r += STEP) f.template operator()<STEP>(r);
+    switch (rows - r) {
+        case 5: if constexpr (STEP > 5) f.template operator()<5>(r); break;
+        case 4: if constexpr (STEP > 4) f.template operator()<4>(r); break;
+        case 3: if constexpr (STEP > 3) f.template operator()<3>(r); break;
+        case 2: f.template operator()<2>(r); break;
+        case 1: f.template operator()<1>(r); break;
+        default: break;
+    }
+}
+
+// A row's scores s[0..16) (left-out keys -inf) folded into its running max m, sum l and output o (D values, rescaled
+// where the max grows); s becomes the keys' weights exp(s - m).
+inline void fold_row(float* s, float& m, float& l, float* o, int64_t D) {
+    const __m256 a = _mm256_loadu_ps(s), b = _mm256_loadu_ps(s + 8);
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(_mm256_max_ps(a, b)), _mm256_extractf128_ps(_mm256_max_ps(a, b), 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    const float top = std::max(_mm_cvtss_f32(x), _mm_cvtss_f32(_mm_movehdup_ps(x)));
+    if (top == -INFINITY) {  // no key of these 16 is seen
+        std::fill(s, s + KEYS, 0.0f);
+        return;
+    }
+    if (top > m) {
+        const __m256 alpha = _mm256_set1_ps(m == -INFINITY ? 0.0f : std::exp(m - top));
+        l *= alpha[0];
+        for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), alpha));
+        m = top;
+    }
+    const __m256 mv = _mm256_set1_ps(m), minus = _mm256_set1_ps(-INFINITY);
+    const __m256 ea = _mm256_and_ps(exp_ps(_mm256_sub_ps(a, mv)), _mm256_cmp_ps(a, minus, _CMP_NEQ_OQ));
+    const __m256 eb = _mm256_and_ps(exp_ps(_mm256_sub_ps(b, mv)), _mm256_cmp_ps(b, minus, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(s, ea), _mm256_storeu_ps(s + 8, eb);
+    l += hsum(_mm256_add_ps(ea, eb));
+}
+
+// Key `key` of a sequence (its table row `table`) for head g as D floats: from the main store m or, past num_main,
+// the residual pool's r. `channel` holds a 2-bit-per-channel block's scales and minimums (read when the block changes).
+struct KeyRows {
+    const Store &m, &r;
+    int64_t num_main;
+    float* channel;
+    int64_t loaded = -1;  // the block whose scales `channel` holds
+
+    void read(const int64_t* table, int64_t key, int64_t g, float* out) {
+        const int64_t block = table[key / m.bs], id = block >= num_main ? block - num_main : block, o = key % m.bs;
+        const Store& s = block >= num_main ? r : m;
+        if (s.format == F32) {
+            const float* p = reinterpret_cast<const float*>(s.data) + ((id * s.bs + o) * s.kvh + g) * s.dim;
+            std::copy(p, p + s.dim, out);
+            return;
+        }
+        if (s.format == INT2_CHANNEL && loaded != block) s.channel_meta(id, g, channel, channel + s.dim), loaded = block;
+        s.dequant_row(id, o, g, channel, channel + s.dim, out);
+    }
+};
+
+struct PromptTask {
+    int64_t b, g, q0, q1, cost;
+};
+
+}  // namespace
+
+namespace kva {
+
+void attend_prompt(const KVStores& s, const float* q, const int64_t* query_index, int64_t B, int64_t Q, int64_t H, const int64_t* tables,
+                   int64_t W, const int64_t* lens, double scale, int64_t window, float* out) {
+    const kvt::Scope timed{&kvt::attention_ns()};
+    const int64_t D = s.k.dim, KVH = s.k.kvh, G = H / KVH;
+    std::vector<int64_t> counts(B), first_row(B + 1, 0);  // each sequence's queries (padding repeats its last), its first output row
+    std::vector<PromptTask> tasks;
+    for (int64_t b = 0; b < B; ++b) {
+        counts[b] = 1;
+        for (int64_t i = 1; i < Q && query_index[b * Q + i] != query_index[b * Q + i - 1]; ++i) ++counts[b];
+        first_row[b + 1] = first_row[b] + counts[b];
+        for (int64_t q0 = 0; q0 < counts[b]; q0 += TILE) {
+            const int64_t q1 = std::min(counts[b], q0 + TILE), last = lens[b] - counts[b] + q1 - 1;
+            const int64_t keys = window > 0 ? std::min(last + 1, window + q1 - q0 - 1) : last + 1;
+            for (int64_t g = 0; g < KVH; ++g) tasks.push_back({b, g, q0, q1, keys * (q1 - q0)});
+        }
+    }
+    std::sort(tasks.begin(), tasks.end(), [](const PromptTask& x, const PromptTask& y) { return x.cost > y.cost; });
+    std::atomic<int64_t> next{0};  // the costliest first, to whichever thread is free: the threads end together
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+        const int64_t R = TILE * G;
+        std::vector<float> qs(R * D), o(R * D), sc(R * KEYS), kt(D * KEYS), kv(KEYS * D), vv(KEYS * D), channel(4 * D), m(R), l(R);
+        KeyRows keys{s.k, s.rk, s.num_main, channel.data()}, values{s.v, s.rv, s.num_main, channel.data() + 2 * D};
+        for (int64_t i; (i = next.fetch_add(1)) < int64_t(tasks.size());) {
+            const PromptTask& t = tasks[i];
+            const int64_t rows = (t.q1 - t.q0) * G, before = lens[t.b] - counts[t.b], *table = tables + t.b * W;
+            for (int64_t qi = t.q0; qi < t.q1; ++qi)  // row (qi - q0) * G + h: query head g * G + h, scaled
+                for (int64_t h = 0; h < G; ++h) {
+                    const float* src = q + (query_index[t.b * Q + qi] * H + t.g * G + h) * D;
+                    float* dst = qs.data() + ((qi - t.q0) * G + h) * D;
+                    for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * float(scale);
+                }
+            std::fill(o.begin(), o.begin() + rows * D, 0.0f), std::fill(m.begin(), m.end(), -INFINITY), std::fill(l.begin(), l.end(), 0.0f);
+            const int64_t last = before + t.q1 - 1, lo = window > 0 ? std::max<int64_t>(0, before + t.q0 - window + 1) : 0;
+            keys.loaded = values.loaded = -1;
+            for (int64_t k0 = lo / KEYS * KEYS; k0 <= last; k0 += KEYS) {
+                const int64_t n = std::min(KEYS, last + 1 - k0);
+                for (int64_t j = 0; j < n; ++j) {  // K transposed, V as rows; keys no row sees (before lo) as zeros: a
+                    if (k0 + j < lo) {  // block a window left behind may have been given back, and 0 * NaN is NaN
+                        std::fill(vv.begin() + j * D, vv.begin() + (j + 1) * D, 0.0f);
+                        for (int64_t d = 0; d < D; ++d) kt[d * KEYS + j] = 0.0f;
+                        continue;
+                    }
+                    keys.read(table, k0 + j, t.g, kv.data() + j * D);
+                    values.read(table, k0 + j, t.g, vv.data() + j * D);
+                    for (int64_t d = 0; d < D; ++d) kt[d * KEYS + j] = kv[j * D + d];
+                }
+                for (int64_t j = n; j < KEYS; ++j)
+                    for (int64_t d = 0; d < D; ++d) kt[d * KEYS + j] = 0.0f;
+                row_groups<6>(rows, [&]<int N>(int64_t r) { tile_scores<N>(qs.data() + r * D, kt.data(), D, sc.data() + r * KEYS); });
+                for (int64_t r = 0; r < rows; ++r) {  // the keys row r sees: [from, to) of these 16
+                    const int64_t pos = before + t.q0 + r / G - k0;
+                    const int64_t from = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, to = std::min<int64_t>(KEYS, pos + 1);
+                    float* sr = sc.data() + r * KEYS;
+                    for (int64_t j = 0; j < KEYS; ++j)
+                        if (j < from || j >= to) sr[j] = -INFINITY;
+                    fold_row(sr, m[r], l[r], o.data() + r * D, D);
+                }
+                for (int64_t c = 0; c < D; c += D - c >= 32 ? 32 : 8)
+                    row_groups<3>(rows, [&]<int N>(int64_t r) {
+                        float* orow = o.data() + r * D;
+                        if (D - c >= 32) tile_values<N, 4>(sc.data() + r * KEYS, vv.data(), n, D, c, orow);
+                        else tile_values<N, 1>(sc.data() + r * KEYS, vv.data(), n, D, c, orow);
+                    });
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+                const int64_t qi = t.q0 + r / G, h = t.g * G + r % G;
+                float* dst = out + ((first_row[t.b] + qi) * H + h) * D;
+                const float inv = 1.0f / l[r];
+                for (int64_t d = 0; d < D; ++d) dst[d] = o[r * D + d] * inv;
+            }
+        }
+    });
+}
+
+}  // namespace kva
+
+// q [T, H, D] fp32: a step's queries; query_index [B, Q]: each sequence's queries' rows of q (padding repeats the
+// last real one); its keys are its first context_lens[b] in its blocks (block_tables [B, W]), the newest being its
+// queries' own, each query seeing the keys up to its position (the last `window`, where window > 0). Returns
+// [V, H, D]: the sequences' queries in order, without padding.
+at::Tensor paged_prompt_attention(const at::Tensor& q_in, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& query_index,
+                                  double scale, int64_t k_format, int64_t v_format, const std::vector<at::Tensor>& k_residual,
+                                  const std::vector<at::Tensor>& v_residual, int64_t residual_format, int64_t window) {
+    TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be fp32 [T, H, D]");
+    const at::Tensor q = q_in.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous(), index = query_index.contiguous();
+    const int64_t T = q.size(0), H = q.size(1), D = q.size(2), B = tables.size(0);
+    const auto stores = kva::kv_stores(k, v, k_format, v_format, k_residual, v_residual, residual_format);
+    TORCH_CHECK(kva::head_dim(*stores) == D && D % 8 == 0, "KV data does not hold ", D, " values per row (a multiple of 8)");
+    TORCH_CHECK(H % stores->k.kvh == 0, "query heads are not a multiple of KV heads");
+    TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 2 && index.size(0) == B, "query_index must be int64 [B, Q]");
+    kva::check_step(*stores, tables, lens, 0, nullptr);  // every block up to each length: a prompt's first queries see before lens - window
+    const int64_t Q = index.size(1), *ip = index.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+    int64_t V = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        int64_t count = 1;
+        for (int64_t i = 0; i < Q; ++i) {
+            TORCH_CHECK(ip[b * Q + i] >= 0 && ip[b * Q + i] < T, "query index ", ip[b * Q + i], " is outside q");
+            if (i > 0 && ip[b * Q + i] != ip[b * Q + i - 1]) ++count;
+        }
+        TORCH_CHECK(count <= lp[b], "sequence ", b, " has more queries than keys");
+        V += count;
+    }
+    at::Tensor out = at::empty({V, H, D}, q.options());
+    kva::attend_prompt(*stores, q.data_ptr<float>(), ip, B, Q, H, tables.data_ptr<int64_t>(), tables.size(1), lp, scale, window,
+                       out.data_ptr<float>());
+    return out;
+}
+
 // q [B, H, D]; k, v: each a list of parts of a kvserve.kv format, values first ([blocks, block_size, KVH, ...]);
 // block_tables [B, W]; context_lens [B]. Ids >= blocks index k_residual / v_residual ([blocks', block_size, KVH, D],
 // in residual_format; empty lists: no residual pool). window > 0: each query sees only its last `window` keys
@@ -801,4 +1021,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
           "int k_format, int v_format, Tensor[] k_residual, Tensor[] v_residual, int residual_format, int window=0, "
           "Tensor? k_new=None, Tensor? v_new=None, Tensor? slots=None, Tensor? hidden=None) -> Tensor",
           &paged_decode_attention);
+    m.def("paged_prompt_attention(Tensor q, Tensor[] k, Tensor[] v, Tensor block_tables, Tensor context_lens, Tensor query_index, "
+          "float scale, int k_format, int v_format, Tensor[] k_residual, Tensor[] v_residual, int residual_format, int window=0) -> Tensor",
+          &paged_prompt_attention);
 }
