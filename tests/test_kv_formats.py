@@ -195,9 +195,11 @@ def test_native_decode_reads_codes_as_the_values_they_dequantize_to(k_dtype, v_d
 @pytest.mark.parametrize("k_dtype,v_dtype", [("int8", "int8"), ("float16", "int8"), ("int8", "float32"), ("int4", "int4"), ("int4", "int8"),
                                              ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"), ("fp8_e4m3", "float16"),
                                              ("bfloat16", "float16")], ids=lambda d: d)
-def test_native_decode_writes_new_tokens_as_the_format_quantizes_them(k_dtype, v_dtype):
-    """A decode step's new K/V, written by the kernel (float, fp8, int8 and int4 stores), are byte for byte what the format's
-    own quantize_tokens writes, so the native and the Python paths leave the same cache."""
+@pytest.mark.parametrize("op", ["decode", "write"])
+def test_native_decode_writes_new_tokens_as_the_format_quantizes_them(k_dtype, v_dtype, op):
+    """A step's new K/V, written by the kernels (the decode op's, or paged_write_kv for a prompt's: float, fp8, int8 and
+    int4 stores), are byte for byte what the format's own quantize_tokens writes, so the native and the Python paths
+    leave the same cache."""
     layout = build_layout(SPEC, k_dtype, v_dtype, BS)
     native, python = (KVCache(layout, 4, 0, torch.float32) for _ in range(2))
     steps = 64
@@ -209,8 +211,11 @@ def test_native_decode_writes_new_tokens_as_the_format_quantizes_them(k_dtype, v
     python.write(0, k, v, slots)
     stores = NativeCPUBackend(native).stores[0]
     tables = torch.arange(4).repeat(steps, 1)  # every row sees the whole pool; its new token sits at its slot
-    native_ops().paged_decode_attention(torch.randn(steps, 6, 64, generator=G), stores[0], stores[1], tables, slots + 1, 1 / 8,
-                                        *stores[2:], 0, k, v, slots)
+    if op == "decode":
+        native_ops().paged_decode_attention(torch.randn(steps, 6, 64, generator=G), stores[0], stores[1], tables, slots + 1, 1 / 8,
+                                            *stores[2:], 0, k, v, slots)
+    else:
+        native_ops().paged_write_kv(*stores, k, v, slots)
     for store in ("k", "v"):
         for name, part in getattr(python, store)[0].items():
             assert torch.equal(getattr(native, store)[0][name], part), (store, name)

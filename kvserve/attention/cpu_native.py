@@ -96,6 +96,11 @@ class NativeCPUBackend(SDPABackend):
             return native_ops().paged_decode_attention(q, stores[0], stores[1], tables, lens, scale, *stores[2:], window, k, v, slots, hidden)
         return super().forward(layer, q, k, v, ctx, scale, value_dims)
 
+    def write(self, j: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor) -> None:
+        if v is None or self.stores[j] is None or not self.writes:
+            return super().write(j, k, v, slots)
+        native_ops().paged_write_kv(*self.stores[j], k, v, slots)
+
     def attend(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float, value_dims: int | None = None) -> torch.Tensor:
         if value_dims is not None or self.stores[j] is None:  # the kernels read K and V stores of one width, unmerged
             return super().attend(g, j, q, group, scale, value_dims)

@@ -34,7 +34,7 @@ class SDPABackend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, ctx: ForwardContext, scale: float,
                 value_dims: int | None = None) -> torch.Tensor:
         g, j = self.cache.slot[layer]
-        self.cache.write(j, k, v, ctx.slot_mappings[g])
+        self.write(j, k, v, ctx.slot_mappings[g])
         if ctx.groups[0].in_order and ctx.groups[0].score_from is None:  # one group of every token: no scatter
             return self.attend(g, j, q, ctx.groups[0], scale, value_dims)
         out = q.new_empty(*q.shape[:2], value_dims or q.shape[2])
@@ -44,6 +44,10 @@ class SDPABackend:
             else:
                 out[group.flat_index], ctx.votes.setdefault(layer, {})[i] = self.attend_voting(g, j, q, group, scale, value_dims)
         return out
+
+    def write(self, j: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor) -> None:
+        """The step's new K/V [T, KVH, D] at their slots of layer j's cache (v None: a latent layer)."""
+        self.cache.write(j, k, v, slots)
 
     def attend_voting(self, g: int, j: int, q: torch.Tensor, group: QueryGroup, scale: float,
                       value_dims: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -563,14 +563,23 @@ void check_step(const KVStores& s, const at::Tensor& block_tables, const at::Ten
         for (int64_t j = first / bs; j < (lp[b] + bs - 1) / bs; ++j)
             TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < s.num_main + s.num_residual, "block id out of range");
     }
-    if (slots == nullptr) return;
+    if (slots != nullptr) check_slots(s, *slots);
+}
+
+void check_slots(const KVStores& s, const at::Tensor& slots) {
     TORCH_CHECK(s.writable, "only float, fp8, int8 and int4 stores are written here");
-    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous(), "slots must be contiguous int64");
-    const int64_t first = s.num_residual ? s.num_main * bs : 0, rows = (s.num_residual ? s.num_residual : s.num_main) * bs;
-    for (int64_t t = 0; t < slots->numel(); ++t) {
-        const int64_t slot = slots->data_ptr<int64_t>()[t] - first;
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots must be contiguous int64");
+    const int64_t bs = s.k.bs, first = s.num_residual ? s.num_main * bs : 0, rows = (s.num_residual ? s.num_residual : s.num_main) * bs;
+    for (int64_t t = 0; t < slots.numel(); ++t) {
+        const int64_t slot = slots.data_ptr<int64_t>()[t] - first;
         TORCH_CHECK(slot >= 0 && slot < rows, "slot ", slot + first, " is outside the pool");
     }
+}
+
+void write_new(const KVStores& s, const NewKV& fresh, int64_t T) {  // the residual pool's slots follow the main pool's
+    const int64_t first = s.num_residual ? s.num_main * s.k.bs : 0;
+    write_rows(s.num_residual ? s.rk : s.k, fresh.k, fresh.k_t, fresh.k_h, T, fresh.slots, first);
+    write_rows(s.num_residual ? s.rv : s.v, fresh.v, fresh.v_t, fresh.v_h, T, fresh.slots, first);
 }
 
 const int64_t* check_hidden(const c10::optional<at::Tensor>& hidden, const at::Tensor& context_lens) {
@@ -600,11 +609,7 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
     const kvt::Scope timed{&kvt::attention_ns()};
     const Store &ks = s.k, &vs = s.v, &rks = s.rk, &rvs = s.rv;
     const int64_t D = ks.dim, bs = ks.bs, KVH = ks.kvh, num_main = s.num_main;
-    if (fresh != nullptr) {  // the residual pool's slots follow the main pool's
-        const int64_t first = s.num_residual ? num_main * bs : 0;
-        write_rows(s.num_residual ? rks : ks, fresh->k, fresh->k_t, fresh->k_h, B, fresh->slots, first);
-        write_rows(s.num_residual ? rvs : vs, fresh->v, fresh->v_t, fresh->v_h, B, fresh->slots, first);
-    }
+    if (fresh != nullptr) write_new(s, *fresh, B);
     const int64_t* tp = tables;
     const int64_t* lp = lens;
     // A tree of guesses (hidden): query b skips the keys whose bit j is set, at lens[b] - 2 - j, its tree's other
@@ -792,12 +797,12 @@ inline void tile_values(const float* p, const float* v, int64_t n, int64_t D, in
     __m256 acc[R][V];
     for (int r = 0; r < R; ++r)
         for (int i = 0; i < V; ++i) acc[r][i] = _mm256_loadu_ps(o + r * D + c + 8 * i);
-    for (int64_t j = 0; j < n; ++j) {
-        __m256 vj[V];
-        for (int i = 0; i < V; ++i) vj[i] = _mm256_loadu_ps(v + j * D + c + 8 * i);
-        for (int r = 0; r < R; ++r) {
-            const __m256 pr = _mm256_broadcast_ss(p + r * KEYS + j);
-            for (int i = 0; i < V; ++i) acc[r][i] = _mm256_fmadd_ps(pr, vj[i], acc[r][i]);
+    for (int64_t j = 0; j < n; ++j) {  // R * V accumulators, R weights and a value vector: 16 registers at most
+        __m256 pj[R];
+        for (int r = 0; r < R; ++r) pj[r] = _mm256_broadcast_ss(p + r * KEYS + j);
+        for (int i = 0; i < V; ++i) {
+            const __m256 vj = _mm256_loadu_ps(v + j * D + c + 8 * i);
+            for (int r = 0; r < R; ++r) acc[r][i] = _mm256_fmadd_ps(pj[r], vj, acc[r][i]);
         }
     }
     for (int r = 0; r < R; ++r)
@@ -816,6 +821,31 @@ inline void row_groups(int64_t rows, F&& f) {
         case 2: f.template operator()<2>(r); break;
         case 1: f.template operator()<1>(r); break;
         default: break;
+    }
+}
+
+// An 8x8 block of floats (rows `as` apart) transposed into out (rows `os` apart).
+inline void transpose8(const float* a, int64_t as, float* out, int64_t os) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(a + i * as);
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(out + i * os, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(out + (i + 4) * os, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+
+// s[j] = -inf for the keys a row does not see: j outside [from, to).
+inline void hide_keys(float* s, int64_t from, int64_t to) {
+    const __m256 f = _mm256_set1_ps(float(from)), e = _mm256_set1_ps(float(to)), hidden = _mm256_set1_ps(-INFINITY);
+    for (int i = 0; i < 2; ++i) {
+        const __m256 j = _mm256_setr_ps(8 * i, 8 * i + 1, 8 * i + 2, 8 * i + 3, 8 * i + 4, 8 * i + 5, 8 * i + 6, 8 * i + 7);
+        const __m256 seen = _mm256_and_ps(_mm256_cmp_ps(j, f, _CMP_GE_OQ), _mm256_cmp_ps(j, e, _CMP_LT_OQ));
+        _mm256_storeu_ps(s + 8 * i, _mm256_blendv_ps(hidden, _mm256_loadu_ps(s + 8 * i), seen));
     }
 }
 
@@ -872,7 +902,7 @@ struct PromptTask {
 
 namespace kva {
 
-void attend_prompt(const KVStores& s, const float* q, const int64_t* query_index, int64_t B, int64_t Q, int64_t H, const int64_t* tables,
+void attend_prompt(const KVStores& s, const float* q, int64_t q_t, int64_t q_h, const int64_t* query_index, int64_t B, int64_t Q, int64_t H, const int64_t* tables,
                    int64_t W, const int64_t* lens, double scale, int64_t window, float* out) {
     const kvt::Scope timed{&kvt::attention_ns()};
     const int64_t D = s.k.dim, KVH = s.k.kvh, G = H / KVH;
@@ -899,7 +929,7 @@ void attend_prompt(const KVStores& s, const float* q, const int64_t* query_index
             const int64_t rows = (t.q1 - t.q0) * G, before = lens[t.b] - counts[t.b], *table = tables + t.b * W;
             for (int64_t qi = t.q0; qi < t.q1; ++qi)  // row (qi - q0) * G + h: query head g * G + h, scaled
                 for (int64_t h = 0; h < G; ++h) {
-                    const float* src = q + (query_index[t.b * Q + qi] * H + t.g * G + h) * D;
+                    const float* src = q + query_index[t.b * Q + qi] * q_t + (t.g * G + h) * q_h;
                     float* dst = qs.data() + ((qi - t.q0) * G + h) * D;
                     for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * float(scale);
                 }
@@ -908,25 +938,23 @@ void attend_prompt(const KVStores& s, const float* q, const int64_t* query_index
             keys.loaded = values.loaded = -1;
             for (int64_t k0 = lo / KEYS * KEYS; k0 <= last; k0 += KEYS) {
                 const int64_t n = std::min(KEYS, last + 1 - k0);
-                for (int64_t j = 0; j < n; ++j) {  // K transposed, V as rows; keys no row sees (before lo) as zeros: a
-                    if (k0 + j < lo) {  // block a window left behind may have been given back, and 0 * NaN is NaN
+                for (int64_t j = 0; j < KEYS; ++j) {  // keys no row sees (before lo, past n) as zeros: a block a window
+                    if (k0 + j < lo || j >= n) {  // left behind may have been given back, and 0 * NaN is NaN
+                        std::fill(kv.begin() + j * D, kv.begin() + (j + 1) * D, 0.0f);
                         std::fill(vv.begin() + j * D, vv.begin() + (j + 1) * D, 0.0f);
-                        for (int64_t d = 0; d < D; ++d) kt[d * KEYS + j] = 0.0f;
                         continue;
                     }
                     keys.read(table, k0 + j, t.g, kv.data() + j * D);
                     values.read(table, k0 + j, t.g, vv.data() + j * D);
-                    for (int64_t d = 0; d < D; ++d) kt[d * KEYS + j] = kv[j * D + d];
                 }
-                for (int64_t j = n; j < KEYS; ++j)
-                    for (int64_t d = 0; d < D; ++d) kt[d * KEYS + j] = 0.0f;
+                for (int64_t j = 0; j < KEYS; j += 8)
+                    for (int64_t d = 0; d < D; d += 8) transpose8(kv.data() + j * D + d, D, kt.data() + d * KEYS + j, KEYS);
                 row_groups<6>(rows, [&]<int N>(int64_t r) { tile_scores<N>(qs.data() + r * D, kt.data(), D, sc.data() + r * KEYS); });
                 for (int64_t r = 0; r < rows; ++r) {  // the keys row r sees: [from, to) of these 16
                     const int64_t pos = before + t.q0 + r / G - k0;
                     const int64_t from = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, to = std::min<int64_t>(KEYS, pos + 1);
                     float* sr = sc.data() + r * KEYS;
-                    for (int64_t j = 0; j < KEYS; ++j)
-                        if (j < from || j >= to) sr[j] = -INFINITY;
+                    if (from > 0 || to < KEYS) hide_keys(sr, from, to);
                     fold_row(sr, m[r], l[r], o.data() + r * D, D);
                 }
                 for (int64_t c = 0; c < D; c += D - c >= 32 ? 32 : 8)
@@ -957,7 +985,8 @@ at::Tensor paged_prompt_attention(const at::Tensor& q_in, const std::vector<at::
                                   double scale, int64_t k_format, int64_t v_format, const std::vector<at::Tensor>& k_residual,
                                   const std::vector<at::Tensor>& v_residual, int64_t residual_format, int64_t window) {
     TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be fp32 [T, H, D]");
-    const at::Tensor q = q_in.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous(), index = query_index.contiguous();
+    const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();  // the qkv projection's view, read where it lies
+    const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous(), index = query_index.contiguous();
     const int64_t T = q.size(0), H = q.size(1), D = q.size(2), B = tables.size(0);
     const auto stores = kva::kv_stores(k, v, k_format, v_format, k_residual, v_residual, residual_format);
     TORCH_CHECK(kva::head_dim(*stores) == D && D % 8 == 0, "KV data does not hold ", D, " values per row (a multiple of 8)");
@@ -976,9 +1005,33 @@ at::Tensor paged_prompt_attention(const at::Tensor& q_in, const std::vector<at::
         V += count;
     }
     at::Tensor out = at::empty({V, H, D}, q.options());
-    kva::attend_prompt(*stores, q.data_ptr<float>(), ip, B, Q, H, tables.data_ptr<int64_t>(), tables.size(1), lp, scale, window,
-                       out.data_ptr<float>());
+    kva::attend_prompt(*stores, q.data_ptr<float>(), q.stride(0), q.stride(1), ip, B, Q, H, tables.data_ptr<int64_t>(), tables.size(1), lp,
+                       scale, window, out.data_ptr<float>());
     return out;
+}
+
+namespace {
+
+// The new tokens' K/V (fp32 [T, KVH, D], rows of unit stride) and their slots, checked against the stores.
+kva::NewKV new_kv(const kva::KVStores& s, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& slots) {
+    const int64_t T = slots.numel();
+    for (const at::Tensor* x : {&k_new, &v_new})
+        TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kFloat && x->stride(2) == 1 && x->size(0) == T && x->size(1) == s.k.kvh &&
+                    x->size(2) == s.k.dim, "new K/V must be fp32 [T, KVH, D] matching the cache and the slots");
+    kva::check_slots(s, slots);
+    return {k_new.data_ptr<float>(), v_new.data_ptr<float>(), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+            slots.data_ptr<int64_t>()};
+}
+
+}  // namespace
+
+// New tokens' K/V [T, KVH, D] (fp32) written at their slots of a float, fp8, int8 or int4 store (of the residual
+// pool where there is one), as the formats' quantize_tokens write them.
+void paged_write_kv(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v, int64_t k_format, int64_t v_format,
+                    const std::vector<at::Tensor>& k_residual, const std::vector<at::Tensor>& v_residual, int64_t residual_format,
+                    const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& slots) {
+    const auto stores = kva::kv_stores(k, v, k_format, v_format, k_residual, v_residual, residual_format);
+    kva::write_new(*stores, new_kv(*stores, k_new, v_new, slots), slots.numel());
 }
 
 // q [B, H, D]; k, v: each a list of parts of a kvserve.kv format, values first ([blocks, block_size, KVH, ...]);
@@ -1000,16 +1053,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const std::vector<at::
     TORCH_CHECK(kva::head_dim(*stores) == D, "KV data does not hold ", D, " values per row in format ", k_format);
     TORCH_CHECK(H % stores->k.kvh == 0 && tables.size(0) == B, "shapes do not agree");
     kva::check_step(*stores, tables, lens, window, slots.has_value() ? &*slots : nullptr);
-    kva::NewKV fresh{};
-    if (slots.has_value()) {
-        TORCH_CHECK(k_new.has_value() && v_new.has_value() && slots->numel() == B && k_new->size(0) == B && v_new->size(0) == B,
-                    "k_new, v_new and slots [T] go together");
-        for (const at::Tensor* x : {&*k_new, &*v_new})
-            TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kFloat && x->stride(2) == 1 && x->size(1) == stores->k.kvh && x->size(2) == D,
-                        "new K/V must be fp32 [T, KVH, D] matching the cache");
-        fresh = {k_new->data_ptr<float>(), v_new->data_ptr<float>(), k_new->stride(0), k_new->stride(1), v_new->stride(0),
-                 v_new->stride(1), slots->data_ptr<int64_t>()};
-    }
+    TORCH_CHECK(!slots.has_value() || (k_new.has_value() && v_new.has_value()), "k_new, v_new and slots [T] go together");
+    const kva::NewKV fresh = slots.has_value() ? new_kv(*stores, *k_new, *v_new, *slots) : kva::NewKV{};
+    TORCH_CHECK(!slots.has_value() || slots->numel() == B, "one new token per query");
     at::Tensor out = at::empty_like(q);
     kva::attend(*stores, q.data_ptr<float>(), H * D, slots.has_value() ? &fresh : nullptr, B, H, tables.data_ptr<int64_t>(),
                 tables.size(1), lens.data_ptr<int64_t>(), scale, window, kva::check_hidden(hidden, lens), out.data_ptr<float>());
@@ -1024,4 +1070,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("paged_prompt_attention(Tensor q, Tensor[] k, Tensor[] v, Tensor block_tables, Tensor context_lens, Tensor query_index, "
           "float scale, int k_format, int v_format, Tensor[] k_residual, Tensor[] v_residual, int residual_format, int window=0) -> Tensor",
           &paged_prompt_attention);
+    m.def("paged_write_kv(Tensor[] k, Tensor[] v, int k_format, int v_format, Tensor[] k_residual, Tensor[] v_residual, "
+          "int residual_format, Tensor k_new, Tensor v_new, Tensor slots) -> ()", &paged_write_kv);
 }

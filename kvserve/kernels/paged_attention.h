@@ -39,8 +39,14 @@ struct NewKV {
     const int64_t* slots;
 };
 
+// TORCH_CHECKs slots [T] (contiguous int64) against the stores: in the pool new tokens land in, which is written.
+void check_slots(const KVStores& s, const at::Tensor& slots);
+
 // TORCH_CHECKs a step's hidden keys (see attend), [B] int64, against its context lengths; their data, or nullptr for none.
 const int64_t* check_hidden(const c10::optional<at::Tensor>& hidden, const at::Tensor& context_lens);
+
+// Writes the T new tokens' K/V at their slots (checked by check_slots), as the formats' quantize_tokens write them.
+void write_new(const KVStores& s, const NewKV& fresh, int64_t T);
 
 // Writes `fresh` (if given), then out [B, H, D] = attention of the B queries (query b's H heads at q + b * q_stride)
 // over their blocks; the arguments must have passed check_step. hidden (nullptr: none): per query, bit j set skips
