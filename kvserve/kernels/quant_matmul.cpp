@@ -516,8 +516,10 @@ void dequantize_rows(int type, const uint8_t* w, const Layout& L, int64_t N, int
     });
 }
 
-// Panels [p0, p1) against all M activation rows, four at a time (a panel is read from memory once, however many
-// rows multiply it).
+// Panels [p0, p1) against all M activation rows, eight at a time (a panel is read from memory once, however many
+// rows multiply it). Eight rows share a unit's unpacked codes where four did; their sums then live on the stack, the
+// codes in registers (ad hoc, one process, the two taking turns on SmolLM2's matrices, 2 threads of a Zen 3 EPYC:
+// 32 rows 1.07-1.10x as fast, 256 rows 0.99-1.05x).
 template <int TYPE>
 void panels_int8_avx2(const Activations& a, const uint8_t* w, const Layout& L, int64_t M, int64_t p0, int64_t p1, float* out, int64_t ldo) {
     if (M <= 2) {  // a decode step, or one with a guess to verify: a pass over each panel a row (ad hoc, one process:
@@ -532,11 +534,15 @@ void panels_int8_avx2(const Activations& a, const uint8_t* w, const Layout& L, i
     for (int64_t r0 = 0; r0 < M; r0 += block)
         for (int64_t p = p0; p < p1; ++p)
             for (int h = 0; h < 2; ++h)
-                for (int64_t r = r0; r < std::min(M, r0 + block); r += 4) {
+                for (int64_t r = r0; r < std::min(M, r0 + block); r += 8) {
                     const uint8_t* panel = w + p * L.panel_bytes();
                     float* o = out + r * ldo + PANEL * p;
                     const bool fetch = r == r0;  // the block's first rows ask for the bytes ahead; the panel is then in L1
-                    switch (std::min<int64_t>(4, M - r)) {
+                    switch (std::min<int64_t>(8, M - r)) {
+                        case 8: panel_int8_avx2<TYPE, 8>(panel, L, a, r, h, fetch, o, ldo); break;
+                        case 7: panel_int8_avx2<TYPE, 7>(panel, L, a, r, h, fetch, o, ldo); break;
+                        case 6: panel_int8_avx2<TYPE, 6>(panel, L, a, r, h, fetch, o, ldo); break;
+                        case 5: panel_int8_avx2<TYPE, 5>(panel, L, a, r, h, fetch, o, ldo); break;
                         case 4: panel_int8_avx2<TYPE, 4>(panel, L, a, r, h, fetch, o, ldo); break;
                         case 3: panel_int8_avx2<TYPE, 3>(panel, L, a, r, h, fetch, o, ldo); break;
                         case 2: panel_int8_avx2<TYPE, 2>(panel, L, a, r, h, fetch, o, ldo); break;
