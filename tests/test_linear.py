@@ -215,6 +215,19 @@ def test_batch_invariant_prompts_compute_the_same_however_they_are_chunked(no_am
     assert_same_alone_and_batched(llm, prompts, params)
 
 
+def test_prompt_chunks_compute_the_same_however_they_are_chunked(no_amx):
+    """Without batch_invariant too, a prompt's logits are bit for bit the same in one step and in chunks of 5, 33 or
+    60 tokens: the native prompt attention sums each query's keys 16 at a time from key 0 in its own online softmax,
+    whatever rows share its tile, and with int8 activations no matmul's row depends on its step's size (SDPA's
+    blocking made such chunks differ)."""
+    llm = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", enable_prefix_caching=False)
+    assert not llm.engine.config.batch_invariant
+    prompt = llm.engine.tokenize("Once upon a time, in a village between two rivers, there lived " * 6, add_special_tokens=False)[:65]
+    whole = chunked_logits(llm, prompt, 1024)
+    for chunk in (5, 33, 60):
+        assert torch.equal(chunked_logits(llm, prompt, chunk), whole), chunk
+
+
 def test_batch_invariant_needs_the_stacked_int8_kernels_and_no_kv_policy(no_amx, monkeypatch):
     with pytest.raises(KVServeError, match="batch_invariant needs a GGUF model's layers stacked on the native CPU kernels"):
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, **FP32)
