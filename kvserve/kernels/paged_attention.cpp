@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <vector>
 
@@ -904,15 +905,14 @@ struct PromptTask {
 
 namespace kva {
 
-void attend_prompt(const KVStores& s, const float* q, int64_t q_t, int64_t q_h, const int64_t* query_index, int64_t B, int64_t Q, int64_t H, const int64_t* tables,
-                   int64_t W, const int64_t* lens, double scale, int64_t window, float* out) {
+// counts[b]: sequence b's queries, the first of its Q entries of query_index (the rest repeat its last).
+void attend_prompt(const KVStores& s, const float* q, int64_t q_t, int64_t q_h, const int64_t* query_index, const int64_t* counts, int64_t B,
+                   int64_t Q, int64_t H, const int64_t* tables, int64_t W, const int64_t* lens, double scale, int64_t window, float* out) {
     const kvt::Scope timed{&kvt::attention_ns()};
     const int64_t D = s.k.dim, KVH = s.k.kvh, G = H / KVH;
-    std::vector<int64_t> counts(B), first_row(B + 1, 0);  // each sequence's queries (padding repeats its last), its first output row
+    std::vector<int64_t> first_row(B + 1, 0);  // each sequence's first output row
     std::vector<PromptTask> tasks;
     for (int64_t b = 0; b < B; ++b) {
-        counts[b] = 1;
-        for (int64_t i = 1; i < Q && query_index[b * Q + i] != query_index[b * Q + i - 1]; ++i) ++counts[b];
         first_row[b + 1] = first_row[b] + counts[b];
         for (int64_t q0 = 0; q0 < counts[b]; q0 += TILE) {
             const int64_t q1 = std::min(counts[b], q0 + TILE), last = lens[b] - counts[b] + q1 - 1;
@@ -996,19 +996,17 @@ at::Tensor paged_prompt_attention(const at::Tensor& q_in, const std::vector<at::
     TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 2 && index.size(0) == B, "query_index must be int64 [B, Q]");
     kva::check_step(*stores, tables, lens, 0, nullptr);  // every block up to each length: a prompt's first queries see before lens - window
     const int64_t Q = index.size(1), *ip = index.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
-    int64_t V = 0;
+    std::vector<int64_t> counts(B, 1);  // padding repeats a sequence's last query
     for (int64_t b = 0; b < B; ++b) {
-        int64_t count = 1;
         for (int64_t i = 0; i < Q; ++i) {
             TORCH_CHECK(ip[b * Q + i] >= 0 && ip[b * Q + i] < T, "query index ", ip[b * Q + i], " is outside q");
-            if (i > 0 && ip[b * Q + i] != ip[b * Q + i - 1]) ++count;
+            if (i > 0 && ip[b * Q + i] != ip[b * Q + i - 1]) ++counts[b];
         }
-        TORCH_CHECK(count <= lp[b], "sequence ", b, " has more queries than keys");
-        V += count;
+        TORCH_CHECK(counts[b] <= lp[b], "sequence ", b, " has more queries than keys");
     }
-    at::Tensor out = at::empty({V, H, D}, q.options());
-    kva::attend_prompt(*stores, q.data_ptr<float>(), q.stride(0), q.stride(1), ip, B, Q, H, tables.data_ptr<int64_t>(), tables.size(1), lp,
-                       scale, window, out.data_ptr<float>());
+    at::Tensor out = at::empty({std::accumulate(counts.begin(), counts.end(), int64_t(0)), H, D}, q.options());
+    kva::attend_prompt(*stores, q.data_ptr<float>(), q.stride(0), q.stride(1), ip, counts.data(), B, Q, H, tables.data_ptr<int64_t>(),
+                       tables.size(1), lp, scale, window, out.data_ptr<float>());
     return out;
 }
 
