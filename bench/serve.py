@@ -141,11 +141,13 @@ def num_requests(concurrency: int) -> int:
     return max(4, 2 * concurrency)
 
 
-def offline_rate(llm: LLM, prompts: list[list[int]], batch: int, new_tokens: int) -> tuple[float, float]:
+def offline_rate(llm: LLM, prompts: list[list[int]], batch: int, new_tokens: int, warmup: list[int]) -> tuple[float, float]:
     """The offline engine's output tok/s on `prompts`, and the median gap between a request's outputs. Batch 1: one
-    request at a time, streamed (as the server's one client gets them); else all at once."""
+    request at a time, streamed (as the server's one client gets them); else all at once. The warm-up prompt is none of
+    `prompts`, as the server's is not: warmed on the first of them, the engine served that prompt from its prefix cache,
+    and one request of each turn skipped its prefill."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    llm.generate([warmup], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     start, gaps = time.perf_counter(), []
     if batch > 1:
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -174,9 +176,10 @@ def main() -> None:
     llm = LLM(args.model, max_num_seqs=top)
     rows, offline, turns = [], {}, []  # rows: (interval, concurrency, requests, load's figures)
     serve = lambda n, prompts, c: load("127.0.0.1", servers[n][1], prompts, args.new_tokens, c, servers[n][0].pid)  # noqa: E731
+    warmup = make(1)  # the same for both: a prompt none of the measured ones shares blocks with
     try:
         for n in intervals:
-            serve(n, make(1), 1)  # warm-up, as the offline engine gets
+            serve(n, warmup, 1)  # warm-up, as the offline engine gets
         for c in levels:
             if c != 1:
                 prompts = make(num_requests(c))
@@ -184,7 +187,7 @@ def main() -> None:
                 continue
             for _ in range(args.rounds):  # one client and the offline engine at batch 1, in turns, on the same prompts
                 prompts = make(num_requests(1))
-                turns.append(({n: serve(n, prompts, 1) for n in intervals}, offline_rate(llm, prompts, 1, args.new_tokens)))
+                turns.append(({n: serve(n, prompts, 1) for n in intervals}, offline_rate(llm, prompts, 1, args.new_tokens, warmup[0])))
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -194,7 +197,7 @@ def main() -> None:
                     for n in intervals]
         offline[1] = sorted((t[1] for t in turns), key=lambda o: o[0])[len(turns) // 2]
     if top not in offline:
-        offline[top] = offline_rate(llm, make(num_requests(top)), top, args.new_tokens)
+        offline[top] = offline_rate(llm, make(num_requests(top)), top, args.new_tokens, warmup[0])
 
     print(f"\nprompts {args.prompt_len} tokens, {args.new_tokens} new tokens, streaming completions on loopback")
     print(f"CPU: {cpu_description()}")
