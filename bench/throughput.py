@@ -3,8 +3,8 @@
 64 requests with prompt lengths drawn from 32-512 tokens, 128 new tokens each (greedy, ignore_eos), all
 submitted at once, after a short warm-up run. Prints output tokens/s, p50/p99 time to first token and the share
 of allocated KV slots that held no token (averaged over steps), then the ratios, all measured in this one run;
-last, the FLOP/s the decode-only steps' matmuls reach, against an fp32 (and, where kvserve uses it, bf16) GEMM
-timed here.
+last, the FLOP/s the decode-only steps' matmuls reach, against an fp32 GEMM timed here, and against a bf16 and an
+int8 one where kvserve multiplies so (int8: its kernels' integer dot products of int8 activations and 4/8-bit codes).
 
 kvserve multiplies a GGUF model's packed weights by int8 activations and a dense model's in bf16 where the CPU
 does so natively (matmul_dtype "auto"); `--matmul-dtype float32` and `--transformers-dtype bfloat16` compare like
@@ -44,14 +44,20 @@ class Result:
 
 
 def gemm_flops(dtype: torch.dtype, n: int = 2048) -> float:
-    """FLOP/s of one n x n x n matmul on this machine in `dtype`: what its cores reach on dense math."""
-    a, b = torch.randn(n, n, device=DEVICE).to(dtype), torch.randn(n, n, device=DEVICE).to(dtype)
-    a @ b
+    """FLOP/s of one n x n x n matmul on this machine in `dtype`: what its cores reach on dense math (int8: integer
+    products summed in int32, torch._int_mm, as oneDNN's VNNI or AMX kernels do them on a CPU that has them)."""
+    if dtype == torch.int8:
+        a, b = (torch.randint(-128, 128, (n, n), dtype=dtype, device=DEVICE) for _ in range(2))
+        multiply = torch._int_mm
+    else:
+        a, b = torch.randn(n, n, device=DEVICE).to(dtype), torch.randn(n, n, device=DEVICE).to(dtype)
+        multiply = torch.mm
+    multiply(a, b)
     sync = torch.cuda.synchronize if DEVICE.type == "cuda" else lambda: None
     sync()
     start = time.perf_counter()
     for _ in range(3):
-        a @ b
+        multiply(a, b)
     sync()
     return 3 * 2 * n**3 / (time.perf_counter() - start)
 
@@ -153,7 +159,8 @@ def main() -> None:
     if results[0].decode_tokens_per_s is None:  # every step prefilled too (--new-tokens 1)
         return
     flops = 2 * load_spec(args.model).num_params() * results[0].decode_tokens_per_s  # the matmuls; attention left out
-    peaks = {"fp32": gemm_flops(torch.float32)} | ({"bf16": gemm_flops(torch.bfloat16)} if bf16 else {})
+    peaks = ({"fp32": gemm_flops(torch.float32)} | ({"bf16": gemm_flops(torch.bfloat16)} if bf16 else {})
+             | ({"int8": gemm_flops(torch.int8)} if matmuls == "int8 activations" and DEVICE.type == "cpu" else {}))
     print(f"continuous decode-only steps: {results[0].decode_tokens_per_s:.1f} tok/s = {flops / 1e9:.0f} GFLOP/s of matmuls, "
           + ", ".join(f"{flops / peak:.0%} of this machine's {name} GEMM ({peak / 1e9:.0f} GFLOP/s, 2048^3)" for name, peak in peaks.items()))
 
