@@ -3,8 +3,10 @@
 64 requests with prompt lengths drawn from 32-512 tokens, 128 new tokens each (greedy, ignore_eos), all
 submitted at once, after a short warm-up run. Prints output tokens/s, p50/p99 time to first token and the share
 of allocated KV slots that held no token (averaged over steps), then the ratios, all measured in this one run;
-last, the FLOP/s the decode-only steps' matmuls reach, against an fp32 GEMM timed here, and against a bf16 and an
-int8 one where kvserve multiplies so (int8: its kernels' integer dot products of int8 activations and 4/8-bit codes).
+last, the FLOP/s the decode-only steps' matmuls reach, against an fp32 GEMM timed here, a bf16 one where the engine
+multiplies a float32 model's dense linears in bf16 (its bf16_matmuls: a CPU with native bf16, where AMX also takes a
+GGUF model's steps of many rows), and an int8 one where it multiplies int8 activations (its kernels' integer dot
+products of int8 activations and 4/8-bit codes, as a GGUF model's are).
 
 kvserve multiplies a GGUF model's packed weights by int8 activations and a dense model's in bf16 where the CPU
 does so natively (matmul_dtype "auto"); `--matmul-dtype float32` and `--transformers-dtype bfloat16` compare like
