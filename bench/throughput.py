@@ -162,7 +162,7 @@ def main() -> None:
         return
     flops = 2 * load_spec(args.model).num_params() * results[0].decode_tokens_per_s  # the matmuls; attention left out
     peaks = ({"fp32": gemm_flops(torch.float32)} | ({"bf16": gemm_flops(torch.bfloat16)} if bf16 else {})
-             | ({"int8": gemm_flops(torch.int8)} if matmuls == "int8 activations" and DEVICE.type == "cpu" else {}))
+             | ({"int8": gemm_flops(torch.int8)} if matmuls == "int8 activations" else {}))
     print(f"continuous decode-only steps: {results[0].decode_tokens_per_s:.1f} tok/s = {flops / 1e9:.0f} GFLOP/s of matmuls, "
           + ", ".join(f"{flops / peak:.0%} of this machine's {name} GEMM ({peak / 1e9:.0f} GFLOP/s, 2048^3)" for name, peak in peaks.items()))
 
