@@ -237,18 +237,22 @@ def test_paged_prompt_attention_rejects_bad_query_rows():
 
 @pytest.mark.parametrize("length", [70, 130, 300, 700, 2000])
 def test_paged_decode_attention_of_a_row_does_not_depend_on_its_batch(length, isa):
-    """A query's output is bit for bit the same alone and beside longer ones: a speculative step's verification
-    rows (contexts L, L + 1, ...) then equal the one-token steps they stand for, and greedy outputs match."""
+    """A query's output is bit for bit the same alone and beside others: a speculative step's verification
+    rows (contexts L, L + 1, ..., over one block table, whose chunks the threads take in turn) then equal the
+    one-token steps they stand for, and greedy outputs match."""
     g = torch.Generator().manual_seed(length)
     block_size, blocks = 16, -(-(length + 600) // 16)
     k_cache, v_cache = (torch.randn(blocks, block_size, 2, 64, generator=g).half() for _ in range(2))
-    tables = torch.randperm(blocks, generator=g).view(1, blocks).repeat(3, 1)
-    q = torch.randn(3, 6, 64, generator=g)
+    tables = torch.randperm(blocks, generator=g).view(1, blocks).repeat(5, 1)
+    tables[3] = torch.randperm(blocks, generator=g)  # another sequence's, between two rows of the first's
+    q = torch.randn(5, 6, 64, generator=g)
     attend = lambda rows, lens: native_ops().paged_decode_attention(  # noqa: E731
-        q[:rows], [k_cache], [v_cache], tables[:rows], torch.tensor(lens), 0.125, 1, 1, [], [], 0)
-    alone = attend(1, [length])
-    assert torch.equal(attend(2, [length, length + 1])[0], alone[0])
-    assert torch.equal(attend(3, [length, length + 1, length + 600])[0], alone[0])
+        q[rows], [k_cache], [v_cache], tables[rows], torch.tensor(lens), 0.125, 1, 1, [], [], 0)
+    lens = [length, length + 1, length + 600, length + 2, length + 3]
+    alone = [attend([row], [n])[0] for row, n in enumerate(lens)]
+    assert torch.equal(attend([0, 1], lens[:2])[0], alone[0])
+    batch = attend(list(range(5)), lens)
+    assert all(torch.equal(batch[row], alone[row]) for row in range(5))
 
 
 @pytest.mark.parametrize("prefix", [5, 16, 70, 126, 300])  # the tree starts mid-block, on a boundary, near a chunk's edge

@@ -651,6 +651,20 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
         chunks[b] = ceil_div(ceil_div(L, splits), bs) * bs, stride = std::max(stride, chunks[b]);
         tasks[b + 1] = tasks[b] + ceil_div(L, chunks[b]);
     }
+    // Rows with the block table of the row before them (a chain of guesses: its rows stand for consecutive one-token
+    // steps of one sequence) take their chunks in turn, chunk by chunk, so the thread that reads a chunk's blocks
+    // reads them for every row while they are in its cache, where each row's chunks in a run split the rows between
+    // the threads and each thread read the whole context from memory.
+    thread_local std::vector<int64_t> task_order;
+    task_order.resize(tasks[B]);
+    int64_t* order = task_order.data();
+    for (int64_t b0 = 0, b1, at = 0; b0 < B; b0 = b1) {
+        int64_t most = tasks[b0 + 1] - tasks[b0];
+        for (b1 = b0 + 1; b1 < B && std::equal(tp + b1 * W, tp + (b1 + 1) * W, tp + b0 * W); ++b1) most = std::max(most, tasks[b1 + 1] - tasks[b1]);
+        for (int64_t c = 0; c < most; ++c)
+            for (int64_t b = b0; b < b1; ++b)
+                if (c < tasks[b + 1] - tasks[b]) order[at++] = tasks[b] + c;
+    }
     const int64_t G = H / KVH;
     const bool wide = kvq::avx512_enabled() && D % 64 == 0;
     thread_local std::vector<float> partial;  // per task and query head: output, max, sum
@@ -689,8 +703,8 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
             }
             pass({F32, buffer.data(), nullptr, nullptr});
         };
-        for (int64_t item = begin; item < end; ++item) {
-            const int64_t b = std::upper_bound(tasks, tasks + B + 1, item) - tasks - 1;
+        for (int64_t i = begin; i < end; ++i) {
+            const int64_t item = order[i], b = std::upper_bound(tasks, tasks + B + 1, item) - tasks - 1;
             const int64_t k0 = first_key(b) + (item - tasks[b]) * chunks[b], k1 = std::min(seen(b), k0 + chunks[b]), L = k1 - k0;
             const int64_t t0 = slot_of(b, k0), t1 = slot_of(b, k1 - 1) + 1;  // the chunk's slots (all of them, seen or not)
             float* part = pp + item * H * (D + 2);
