@@ -9,7 +9,10 @@ Each proposer's engine and the baseline run the same prompt (or batch) in turns,
 prompt's median rate counts, averaged over a workload's prompts. At batch 1 a line also splits its ratio in two:
 the tokens a decode step yields (one, plus the guesses it kept: the same every round, outputs being greedy) over
 what a step costs against the baseline's (the target's rows for the guesses and the proposer's time: the part
-that varies between runs on a noisy machine). Greedy outputs should be the same tokens; the
+that varies between runs on a noisy machine), and that cost in three, each over the baseline's step: the forward
+pass (`ModelRunner.execute`, with the rows for the guesses; of it, decode attention by the native kernels' clock),
+the proposer's guessing (`LLMEngine._propose`) and the rest of the engine's step (scheduling, verification,
+outputs). Greedy outputs should be the same tokens; the
 table says where they are not (a verification pass of more rows than layers/linear.py's block limit multiplies
 differently from one-token steps, which can flip a near-tie).
 
@@ -20,9 +23,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 from kvserve import LLM, SamplingParams
-from kvserve.kernels import cpu_description
+from kvserve.kernels import cpu_description, native_ops
 
 PARAGRAPHS = [
     "The city council met on Tuesday to discuss the new budget. After a long debate, the members agreed to spend more "
@@ -45,17 +49,47 @@ def workloads(llm: LLM) -> dict[str, list[str]]:
     return {"copy": copy, "open": [chat(t) for t in OPEN], "batch": [chat(t) for t in OPEN * 6][:16]}
 
 
-def run(llm: LLM, batch: bool, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]], int, int, float]:
+class Timed:
+    """What a clock (seconds) advances in each call of an object's method, from now on."""
+
+    def __init__(self, owner: object, name: str, clock: Callable[[], float] = time.perf_counter):
+        self.calls: list[float] = []
+        method = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.calls.append(clock() - start)
+
+        setattr(owner, name, timed)
+
+
+def timers(llm: LLM) -> tuple[Timed, ...]:
+    """Timers around an engine's forward pass, its proposer's guessing and the native kernels' decode attention (the
+    kernels' own clock: where they run, else it stays at 0)."""
+    ops = native_ops() if llm.engine.runner.native else None
+    attention = Timed(llm.engine.runner, "execute", ops.attention_seconds if ops is not None else lambda: 0.0)
+    return Timed(llm.engine.runner, "execute"), Timed(llm.engine, "_propose"), attention
+
+
+def run(llm: LLM, batch: bool, prompts: list[str], max_tokens: int, clocks: tuple[Timed, ...]) -> tuple:
     """tok/s (one prompt: its decode rate; a batch: all output tokens over wall time), outputs, guesses made and
-    kept, and (one prompt) seconds per decode step: a step yields one token plus the guesses it kept."""
+    kept, and (one prompt) seconds per decode step (a step yields one token plus the guesses it kept), of which
+    the forward pass's, the proposer's and decode attention's seconds a decode step."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    for clock in clocks:
+        clock.calls.clear()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start) if batch else outs[0].metrics.decode_tokens_per_s or 0.0
     drafted, kept = sum(o.metrics.num_draft_tokens for o in outs), sum(o.metrics.num_accepted_tokens for o in outs)
     decoded = len(outs[0].outputs[0].token_ids) - 1  # after the prompt's step
-    step = decoded / rate / max(decoded - kept, 1) if not batch and rate else float("nan")
-    return rate, [o.outputs[0].token_ids for o in outs], drafted, kept, step
+    steps = max(decoded - kept, 1)
+    step = decoded / rate / steps if not batch and rate else float("nan")
+    forward, propose, attention = (sum(clock.calls[1:]) / steps for clock in clocks)  # past the prompt's step (one at batch 1)
+    return rate, [o.outputs[0].token_ids for o in outs], drafted, kept, step, forward, propose, attention
 
 
 def main() -> None:
@@ -77,12 +111,13 @@ def main() -> None:
              for p in (prompts[:1] if load == "batch" else prompts)]
     for llm in engines.values():  # warm-up: kernels, allocator
         llm.generate(units[0][2][0], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    clocks = {name: timers(llm) for name, llm in engines.items()}
     results: dict[tuple[int, str], list] = {}
     names = list(engines)
     for r in range(args.rounds):
         for u, (_, batch, prompts) in enumerate(units):
             for name in names[r % len(names):] + names[:r % len(names)]:  # a different engine goes first each round
-                results.setdefault((u, name), []).append(run(engines[name], batch, prompts, args.max_tokens))
+                results.setdefault((u, name), []).append(run(engines[name], batch, prompts, args.max_tokens, clocks[name]))
 
     print(f"{args.model} ({args.dtype}), greedy, up to {args.max_tokens} new tokens; each prompt's median of {args.rounds} rounds, "
           f"averaged over a workload's prompts")
@@ -98,9 +133,12 @@ def main() -> None:
             drafted, kept = (sum(x[i] for u in mine for x in results[(u, name)]) for i in (2, 3))
             accepted = f"accepted {kept / drafted:5.1%}" if drafted else " " * 14
             steps = ""
-            if load != "batch":  # the ratio's two factors: tokens a step yields, and what a step costs
-                decoded, step = sum(len(x[1][0]) - 1 for u in mine for x in results[(u, name)]), typical(name, 4)
-                steps = f" | {decoded / max(decoded - kept, 1):4.2f} tokens/step, step {step * 1e3:5.2f} ms ({step / typical('baseline', 4):4.2f}x)"
+            if load != "batch":  # the ratio's two factors: tokens a step yields, and what a step costs (taken apart)
+                decoded, step, unit = sum(len(x[1][0]) - 1 for u in mine for x in results[(u, name)]), typical(name, 4), typical("baseline", 4)
+                forward, propose, attention = (typical(name, i) for i in (5, 6, 7))
+                steps = (f" | {decoded / max(decoded - kept, 1):4.2f} tokens/step, step {step * 1e3:5.2f} ms ({step / unit:4.2f}x = forward "
+                         f"{forward / unit:4.2f} (attention {attention / unit:4.2f}) + proposer {propose / unit:4.2f} + rest "
+                         f"{(step - forward - propose) / unit:4.2f})")
             print(f"  {load:5s} {name:24s} {rate:7.1f} tok/s ({rate / base:4.2f}x) | {accepted} | "
                   f"same tokens as baseline: {same}/{total}{steps}")
 

@@ -1106,22 +1106,41 @@ def test_distill_rejects_an_unknown_prompt_source():
         distill(DistillSettings(answers=4, prompts="web"))
 
 
-def test_distill_prompts_are_distinct_and_not_the_benchmarks():
-    """--answers N up to the prompts' number are N greedy answers to N different prompts, none on a topic of the
-    benchmark's open generation."""
+def _bench():
+    """bench/speculative.py as a module."""
     import importlib.util
     from pathlib import Path
-
-    from kvserve.spec_decode.distill import TOPICS, chat_prompts
 
     spec = importlib.util.spec_from_file_location("bench_speculative", Path(__file__).parents[1] / "bench" / "speculative.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_distill_prompts_are_distinct_and_not_the_benchmarks():
+    """--answers N up to the prompts' number are N greedy answers to N different prompts, none on a topic of the
+    benchmark's open generation."""
+    from kvserve.spec_decode.distill import TOPICS, chat_prompts
+
+    bench = _bench()
     prompts = chat_prompts()
     assert len(set(prompts)) == len(prompts) == 4312
     assert not set(bench.OPEN) & set(prompts)
     open_text = " ".join(bench.OPEN).lower()
     assert not [topic for topic in TOPICS if re.search(rf"\b{re.escape(topic.lower().removeprefix('the ').removeprefix('a '))}\b", open_text)]
+
+
+def test_speculative_benchmark_takes_a_step_apart(tiny_model_dir):
+    """bench/speculative.py's split of a decode step: the forward pass and the proposer's guessing, timed around
+    the engine's methods, are within the step's time, and its clocks count one forward pass for the prompt and one
+    for each decode step."""
+    bench = _bench()
+    llm = LLM(str(tiny_model_dir), speculative="ngram:min_acceptance=0,min_speedup=0", **FP32)
+    clocks = bench.timers(llm)
+    rate, outputs, drafted, kept, step, forward, propose, attention = bench.run(llm, False, [[5, 6, 7, 8] * 8], 24, clocks)
+    steps = len(outputs[0]) - 1 - kept
+    assert drafted > kept > 0 and len(clocks[0].calls) == len(clocks[2].calls) == 1 + steps
+    assert 0 < forward and 0 < propose and forward + propose <= step and 0 <= attention <= forward
 
 
 def test_no_guesses_in_a_step_of_more_than_max_batch_decodes(tiny_model_dir):
