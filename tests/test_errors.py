@@ -58,6 +58,30 @@ def test_bad_token_ids_and_empty_prompt(tiny_model_dir):
         llm.generate([[5, 6]], {"max_tokens": 2}, use_tqdm=False)
 
 
+def test_a_lone_surrogate_in_text_names_where_it_is(smollm2):
+    """Half a surrogate pair (a JSON escape, or a command line's bytes that are not UTF-8) made the tokenizer raise a
+    TypeError that named neither."""
+    with pytest.raises(KVServeError, match=r"the prompt is not valid Unicode: character 4 is a lone surrogate, '\\ud800'"):
+        smollm2.generate(["abc \ud800 def"], greedy(2), use_tqdm=False)
+    with pytest.raises(KVServeError, match="message 1's content is not valid Unicode: character 0"):
+        smollm2.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "\udcff"}], greedy(2), use_tqdm=False)
+    assert smollm2.generate(["abc \U0001F600 def"], greedy(2), use_tqdm=False)[0].outputs[0].token_ids  # a pair is fine
+
+
+def test_chat_asks_again_for_a_typed_line_that_is_not_utf8(monkeypatch, capsys):
+    lines = iter([UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), "hello", EOFError()])
+
+    def typed(prompt: str) -> str:
+        line = next(lines)
+        if isinstance(line, Exception):
+            raise line
+        return line
+
+    monkeypatch.setattr("builtins.input", typed)
+    assert list(cli._read_turns()) == ["hello"]
+    assert "that line is not UTF-8 text; type it again" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("option,message", [(dict(block_size=0), "block_size"), (dict(dtype="int3"), "dtype"),
                                             (dict(kv_cache_memory="lots"), "invalid size"),
                                             (dict(preemption_mode="drop"), "preemption_mode"), (dict(seed=2**64), "seed")])
@@ -79,6 +103,8 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
     (["generate", "--prompt", "hi", "--sampling-seed", str(2**70)], "seed must be an integer in [-2**63, 2**63 - n]"),
     (["generate", "--prompt", "hi", "--kv-cache-dtype", "kivi2", "--kivi-residual", "100"],
      "kivi_residual must be a multiple of the block size (16), got 100"),
+    (["generate", "--prompt", "caf\udce9"], "--prompt is not valid Unicode: character 3 is a lone surrogate, '\\udce9'"),  # argv's Latin-1 byte
+    (["chat", "--message", "hi", "--message", "\udcff"], "--message is not valid Unicode"),  # before the first turn
     (["distill", "--mlp", "-1"], "--mlp must be >= 0, got -1"),
     (["distill", "--eagle", "--depth", "0"], "--depth must be 1..8, got 0"),
     (["serve", "--port", "99999"], "--port must be in [1, 65535], got 99999"),  # uvloop bound 34463 and said nothing

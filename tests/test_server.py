@@ -164,6 +164,20 @@ def test_disconnect_mid_stream_stops_generating_and_frees_kv(server):
     assert _counter(server, "request_success_total", 'finished_reason="abort"') == aborts + 1
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "Tell me a very long story.", "n": 2}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}]})])
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server, path, body):
+    """Without max_tokens an answer runs to the context window: a client that gave up left it generating for minutes."""
+    idle, aborts = kv_usage(server), _counter(server, "request_success_total", 'finished_reason="abort"')
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}{path}", json={"model": "test-model", "max_tokens": 2000, "ignore_eos": True, **body}, timeout=1.5)
+    deadline = time.time() + 20
+    while kv_usage(server) != idle or _counter(server, "num_requests_running"):
+        assert time.time() < deadline, "the left request kept generating"
+        time.sleep(0.1)
+    assert _counter(server, "request_success_total", 'finished_reason="abort"') == aborts + 1  # n completions: one request
+
+
 def test_storm_of_dropped_streams_leaves_no_blocks_in_use(server):
     """50 streams, each dropped after a random number of chunks: no block stays in use, and the server answers."""
     rng = random.Random(0)
@@ -237,6 +251,19 @@ def test_bad_completion_requests(server, body, status, message):
 def test_bad_chat_requests(server, body, message):
     r = httpx.post(f"{server}/v1/chat/completions", json=body)
     assert r.status_code == 400 and message in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body,message", [
+    ("/v1/completions", {"prompt": "hi \udcff"}, "the prompt is not valid Unicode: character 3 is a lone surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                                           {"role": "user", "content": "\ud800"}]}, "message 2's content is not valid Unicode"),
+    ("/tokenize", {"prompt": "\udfff"}, "the prompt is not valid Unicode")])
+def test_a_lone_surrogate_in_text_is_a_400(server, path, body, message):
+    """JSON may escape half of a surrogate pair; the tokenizer then raised a TypeError: a 500, and uvicorn closed the
+    connection."""
+    r = httpx.post(f"{server}{path}", content=json.dumps({"model": "test-model", "max_tokens": 2, **body}),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
 
 
 def test_logit_bias_forces_a_token(server, client):

@@ -7,6 +7,16 @@ from kvserve.engine.detokenizer import SerialTokenizer
 from kvserve.errors import KVServeError
 
 
+def check_text(text: str, what: str) -> None:
+    """Text the tokenizer can encode: a lone surrogate (from a JSON \\ud800-\\udfff escape, or the bytes of a command
+    line that are not UTF-8) makes it fail with a TypeError that names neither the value nor where it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise KVServeError(f"{what} is not valid Unicode: character {e.start} is a lone surrogate, "
+                           f"{text[e.start]!r} (a broken \\u escape, or bytes that are not UTF-8)") from None
+
+
 class PromptEncoder:
     def __init__(self, tokenizer: SerialTokenizer | None, model: str):
         self.tokenizer, self.model = tokenizer, model
@@ -19,6 +29,7 @@ class PromptEncoder:
             return list(prompt)
         if self.tokenizer is None:
             raise KVServeError(f"{self.model} has no tokenizer; pass prompts as lists of token ids")
+        check_text(prompt, "the prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
@@ -27,6 +38,9 @@ class PromptEncoder:
             raise KVServeError(f"{self.model} has no chat template")
         if not messages:
             raise KVServeError("messages must not be empty")
+        for i, message in enumerate(messages):
+            if isinstance(message, dict) and isinstance(message.get("content"), str):
+                check_text(message["content"], f"message {i}'s content")
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # templates raise jinja errors for conversations they do not accept

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from kvserve.config import KV_CACHE_DTYPES, EngineConfig, memory_share
+from kvserve.engine.prompts import check_text
 from kvserve.errors import KVServeError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -177,6 +178,9 @@ def _read_turns():
             text = input(">>> ").strip()
         except EOFError:
             return
+        except UnicodeDecodeError:  # a terminal whose encoding is not UTF-8
+            print("kvserve: that line is not UTF-8 text; type it again", file=sys.stderr)
+            continue
         if text in ("/exit", "/quit"):
             return
         if text:
@@ -430,9 +434,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every text option is text the tokenizer can encode: Python hands a command line's bytes that are not UTF-8 over
+    as lone surrogates, which the tokenizer (and printing them) failed on."""
+    for name, value in vars(args).items():
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                check_text(text, f"--{name.replace('_', '-')}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_args(args)
         args.func(args)
     except KVServeError as e:
         print(f"kvserve: error: {e}", file=sys.stderr)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 
@@ -74,6 +74,27 @@ async def _interleave(streams: list[AsyncIterator[tuple[int, RequestOutput]]]) -
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(request: Request, answer: Awaitable):
+    """The answer, unless its client leaves first: a non-streaming answer can take minutes (without max_tokens it runs
+    to the context window), and nothing else tells it the client is gone. Cancelled, it closes its requests' streams,
+    which aborts them (a stream aborts its own request when closed); a streaming answer returns at once."""
+    task, gone = asyncio.ensure_future(answer), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)  # nobody reads it (nginx's code for a client that closed the connection)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":  # the body is read: the next message is the disconnect
+        pass
 
 
 class RequireAPIKey:
@@ -277,12 +298,12 @@ def create_app(async_engine: AsyncEngine, model_name: str, api_key: str | None =
         app.add_middleware(RequireAPIKey, api_key=api_key)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await server.complete(req)
+    async def completions(req: CompletionRequest, request: Request):
+        return await until_disconnect(request, server.complete(req))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        return await server.chat(req)
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await until_disconnect(request, server.chat(req))
 
     def card() -> dict:
         return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
