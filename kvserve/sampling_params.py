@@ -8,6 +8,7 @@ from kvserve.errors import KVServeError
 
 
 INTEGERS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")  # the logprobs may be None
+GREEDY_BELOW = 1e-5
 NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -78,4 +79,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so low that its draw is the argmax but for near-ties (vLLM's rule); below ~1e-37,
+        logits / temperature overflowed to inf and the draw took the vocabulary's last token."""
+        return self.temperature < GREEDY_BELOW

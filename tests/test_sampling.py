@@ -201,3 +201,22 @@ def test_penalties_apply_to_each_rows_history():
     assert torch.equal(out[0], torch.tensor([1.0, 0.5, 0.5, 0.5, 4.0]))  # token 1: (-2 + 3) / 2; token 4 unseen: 3 + 1
     assert torch.equal(out[1], torch.tensor([2.0, -2.0, 1.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 3.0]))  # token 2 twice, 3 once
     assert torch.equal(out[2], logits[2]) and torch.equal(logits, torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]]).repeat(3, 1))
+
+
+def test_extreme_temperatures_and_penalties_draw_real_tokens():
+    """Temperature 1e-45 made logits / temperature inf, and a repetition penalty of 1e-40 divided logits to inf: NaN
+    probabilities, whose draw was the vocabulary's last token. A temperature under 1e-5 is greedy (vLLM's rule)."""
+    from kvserve.layers.sampler import SamplingBatch, sample
+
+    logits = torch.tensor([[1.0, 4.0, 2.0, -1.0, 0.5, 3.0]])
+
+    def draw(params: SamplingParams, history: list[int]) -> int:
+        return sample(logits, SamplingBatch([params], [torch.Generator().manual_seed(0)], [history], [len(history)], [[]])).token_ids[0]
+
+    assert SamplingParams(temperature=1e-45).greedy and SamplingParams(temperature=9e-6).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
+    for temperature in (1e-45, 1e-6, 1e-4):
+        assert draw(SamplingParams(temperature=temperature, seed=0), []) == 1
+    # the penalty lifts the seen positive logits 2 and 3 to the same (largest finite) value: the first of them wins
+    assert draw(SamplingParams(temperature=0, repetition_penalty=1e-40), [2, 5]) == 2
+    assert draw(SamplingParams(temperature=1.0, repetition_penalty=1e-40), [2]) == 2

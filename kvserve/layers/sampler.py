@@ -163,7 +163,8 @@ def _adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             seen = torch.tensor(sorted(set(batch.token_ids[i]) | set(batch.guesses[i])), dtype=torch.long)  # prompt and output
             if len(seen):
                 values = row[seen]
-                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+                big = torch.finfo(row.dtype).max  # a tiny penalty must not make inf, whose softmax is NaN
+                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty).clamp_(-big, big)
         output_ids = batch.output_ids(i) if p.presence_penalty or p.frequency_penalty else []
         if output_ids:
             counts = torch.bincount(torch.tensor(output_ids), minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
