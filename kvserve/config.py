@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -154,6 +154,9 @@ def parse_size(value: str | int) -> int:
     return int(float(number) * base ** " kmgt".index(unit.lower() or " "))
 
 
+_OPTION_TYPES = {"int": int, "str": str, "bool": bool, "None": type(None), "list[str]": list}
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine settings; `validate` turns bad values into one clear error."""
@@ -197,6 +200,11 @@ class EngineConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        for f in fields(self):  # by the annotations: "int | None" and so on (a bool is not an int here)
+            allowed, value = [_OPTION_TYPES[t.strip()] for t in f.type.split("|")], getattr(self, f.name)
+            if not isinstance(value, tuple(allowed)) or (isinstance(value, bool) and bool not in allowed) or (
+                    isinstance(value, list) and not all(isinstance(v, str) for v in value)):
+                raise KVServeError(f"{f.name} must be {' or '.join(t.strip() for t in f.type.split('|'))}, got {value!r}")
         checks = [
             (self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}"),
             (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),

@@ -4,3 +4,16 @@ class KVServeError(ValueError):
 
 class ModelNotFoundError(KVServeError):
     pass
+
+
+def check_output_dir(path, option: str) -> None:
+    """Make the folder an option names and check that a file can be written there, before the work whose results
+    go there (a distillation, an evaluation): an OSError at the end lost it all."""
+    import tempfile
+    from pathlib import Path
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise KVServeError(f"cannot write to {option} {path}: {e}") from None

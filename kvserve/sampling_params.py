@@ -64,8 +64,10 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative ints"),
+            (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
+             f"stop must be a non-empty string or a list of them, got {self.stop!r}"),
+            (isinstance(self.stop_token_ids, (list, tuple)) and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}"),
             # completion i seeds its generator with seed + i, which torch takes as a 64-bit integer
             (self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed <= 2**63 - self.n),
              f"seed must be an integer in [-2**63, 2**63 - n], got {self.seed!r}"),

@@ -56,6 +56,8 @@ def test_bad_token_ids_and_empty_prompt(tiny_model_dir):
         llm.generate([[5], 6], greedy(2), use_tqdm=False)
     with pytest.raises(KVServeError, match="params must be SamplingParams or a list of them, got dict"):
         llm.generate([[5, 6]], {"max_tokens": 2}, use_tqdm=False)
+    with pytest.raises(KVServeError, match="0 sampling params for 1 prompts"):  # it ran on the defaults
+        llm.generate([[5, 6]], [], use_tqdm=False)
 
 
 def test_a_lone_surrogate_in_text_names_where_it_is(smollm2):
@@ -84,7 +86,15 @@ def test_chat_asks_again_for_a_typed_line_that_is_not_utf8(monkeypatch, capsys):
 
 @pytest.mark.parametrize("option,message", [(dict(block_size=0), "block_size"), (dict(dtype="int3"), "dtype"),
                                             (dict(kv_cache_memory="lots"), "invalid size"),
-                                            (dict(preemption_mode="drop"), "preemption_mode"), (dict(seed=2**64), "seed")])
+                                            (dict(preemption_mode="drop"), "preemption_mode"), (dict(seed=2**64), "seed"),
+                                            # were a TypeError, an AttributeError, and taken as they came
+                                            (dict(num_blocks="10"), "num_blocks must be int or None, got '10'"),
+                                            (dict(speculative=5), "speculative must be str or None, got 5"),
+                                            (dict(kv_cache_memory=0.5), "kv_cache_memory must be int or str or None, got 0.5"),
+                                            (dict(max_model_len=100.5), "max_model_len must be int or None"),
+                                            (dict(block_size=True), "block_size must be int, got True"),
+                                            (dict(enable_prefix_caching="no"), "enable_prefix_caching must be bool"),
+                                            (dict(kv_tiers="cpu:1GiB"), r"kv_tiers must be list\[str\]")])
 def test_bad_engine_settings(tiny_model_dir, option, message):
     with pytest.raises(KVServeError, match=message):
         LLM(str(tiny_model_dir), **option)
@@ -105,6 +115,9 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
      "kivi_residual must be a multiple of the block size (16), got 100"),
     (["generate", "--prompt", "caf\udce9"], "--prompt is not valid Unicode: character 3 is a lone surrogate, '\\udce9'"),  # argv's Latin-1 byte
     (["chat", "--message", "hi", "--message", "\udcff"], "--message is not valid Unicode"),  # before the first turn
+    (["distill", "--out", "/proc/draft"], "cannot write to --out /proc/draft"),  # was a FileNotFoundError after the training
+    (["eval", "--plot", "/proc/plots"], "cannot write to --plot /proc/plots"),  # after the evaluation
+    (["memory", "smollm2-135m", "--plot", "/proc/kv.png"], "cannot write to --plot /proc"),
     (["distill", "--mlp", "-1"], "--mlp must be >= 0, got -1"),
     (["distill", "--eagle", "--depth", "0"], "--depth must be 1..8, got 0"),
     (["serve", "--port", "99999"], "--port must be in [1, 65535], got 99999"),  # uvloop bound 34463 and said nothing

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvserve.config import KV_CACHE_DTYPES, EngineConfig, memory_share
 from kvserve.engine.prompts import check_text
-from kvserve.errors import KVServeError
+from kvserve.errors import KVServeError, check_output_dir
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -275,6 +275,8 @@ def cmd_memory(args: argparse.Namespace) -> None:
 
     if args.device not in DEVICES:
         raise KVServeError(f"unknown device {args.device!r}; choose from {', '.join(DEVICES)} or pass --flops and --bandwidth")
+    if args.plot:
+        check_output_dir(Path(args.plot).parent, "--plot")
     base = DEVICES[args.device]
     custom = args.flops is not None or args.bandwidth is not None
     device = Device("custom" if custom else base.name, base.memory, base.flops if args.flops is None else args.flops,
@@ -326,6 +328,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         tokens=args.tokens, passkey_lengths=args.passkey_lengths, passkey_depths=args.passkey_depths,
         passkey_trials=args.passkey_trials, decode_tokens=args.decode_tokens, seed=args.seed,
     )
+    if args.plot:
+        check_output_dir(args.plot, "--plot")
     report = run_eval(settings)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -35,7 +35,7 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise KVServeError(f"prompts must be a prompt or a list of them, got {type(prompts).__name__}")
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         each = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if not all(isinstance(p, SamplingParams) for p in each):
             raise KVServeError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")

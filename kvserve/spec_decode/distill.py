@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvserve.entrypoints.llm import LLM
-from kvserve.errors import KVServeError
+from kvserve.errors import KVServeError, check_output_dir
 from kvserve.models.loader import transformers_model
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft import write_draft_vocab
@@ -90,6 +90,8 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
         raise KVServeError("distill on --text or on the model's --answers, not both")
     if settings.prompts not in PROMPT_SOURCES:
         raise KVServeError(f"--prompts must be one of {', '.join(PROMPT_SOURCES)}, got {settings.prompts!r}")
+    out = Path(settings.out)
+    check_output_dir(out, "--out")
     torch.manual_seed(settings.seed)
     teacher = LLM(settings.model, max_num_batched_tokens=max(512, settings.batch * settings.seq_len))
     width = teacher.engine.checkpoint.config.intermediate_size
@@ -103,7 +105,6 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
     evaluation = [ids[i:i + settings.seq_len] for i in range(0, held_out, settings.seq_len)]
     train = ids[held_out:]
     vocab = draft_vocab(train, teacher.engine.checkpoint.config.vocab_size, settings.vocab)
-    out = Path(settings.out)
     if settings.eagle:
         report = _distill_features(settings, teacher, text, vocab, progress)
         proposer = "eagle"
