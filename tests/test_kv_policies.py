@@ -217,6 +217,27 @@ def test_a_request_picks_its_own_policy(tiny_model_dir):
     assert out.metrics.num_evicted_tokens == 0
 
 
+def test_a_voting_request_leaves_the_others_attention_alone(tiny_model_dir, monkeypatch):
+    """h2o's queries vote with their attention probabilities, which only the dense path computes; the requests beside
+    one went through it too (a batch of 800-token contexts ran 12x slower, and their greedy tokens changed)."""
+    from kvserve.attention.sdpa import SDPABackend
+
+    voting_batches = []
+    attend_voting = SDPABackend.attend_voting
+
+    def spy(self, g, j, q, group, *args):
+        voting_batches.append(len(group.block_tables[g]))
+        return attend_voting(self, g, j, q, group, *args)
+
+    monkeypatch.setattr(SDPABackend, "attend_voting", spy)
+    llm = engine(tiny_model_dir, None)
+    prompts = [PROMPT[i:i + 30] for i in range(0, 24, 8)]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24), use_tqdm=False)]
+    outs = llm.generate(prompts + [PROMPT], [greedy(24)] * 3 + [greedy(24, kv_policy="h2o:budget=24")], use_tqdm=False)
+    assert outs[-1].metrics.num_evicted_tokens > 0 and voting_batches and set(voting_batches) == {1}
+    assert [o.outputs[0].token_ids for o in outs[:3]] == plain
+
+
 def test_shared_prefix_blocks_are_never_overwritten(tiny_model_dir):
     """A request's compaction replaces blocks the prefix cache holds; a later request hitting them gets plain K/V."""
     llm = engine(tiny_model_dir, None)
