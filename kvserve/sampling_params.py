@@ -68,6 +68,7 @@ class SamplingParams:
              f"stop must be a non-empty string or a list of them, got {self.stop!r}"),
             (isinstance(self.stop_token_ids, (list, tuple)) and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}"),
+            (self.cache_salt is None or isinstance(self.cache_salt, str), f"cache_salt must be a string, got {self.cache_salt!r}"),
             # completion i seeds its generator with seed + i, which torch takes as a 64-bit integer
             (self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed <= 2**63 - self.n),
              f"seed must be an integer in [-2**63, 2**63 - n], got {self.seed!r}"),

@@ -48,6 +48,8 @@ def test_bad_token_ids_and_empty_prompt(tiny_model_dir):
     llm = LLM(str(tiny_model_dir))
     with pytest.raises(KVServeError, match="token ids must be ints"):
         llm.generate([5, 999999], greedy(2), use_tqdm=False)
+    with pytest.raises(KVServeError, match="token ids must be ints"):  # bool is an int; it was taken as 1 and 0
+        llm.generate([[True, False]], greedy(2), use_tqdm=False)
     with pytest.raises(KVServeError, match="empty"):
         llm.generate([[]], greedy(2), use_tqdm=False)
     with pytest.raises(KVServeError, match="prompts must be a prompt or a list of them, got NoneType"):

@@ -160,7 +160,7 @@ class LLMEngine:
         limit, vocab = self.request_limit(policy), self.checkpoint.config.vocab_size
         if not token_ids:
             raise KVServeError("the prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
             raise KVServeError(f"prompt token ids must be ints in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise KVServeError(f"logit_bias names token {max(params.logit_bias)}, past the vocabulary ({vocab} tokens)")
