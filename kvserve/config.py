@@ -201,10 +201,11 @@ class EngineConfig:
 
     def validate(self) -> None:
         for f in fields(self):  # by the annotations: "int | None" and so on (a bool is not an int here)
-            allowed, value = [_OPTION_TYPES[t.strip()] for t in f.type.split("|")], getattr(self, f.name)
-            if not isinstance(value, tuple(allowed)) or (isinstance(value, bool) and bool not in allowed) or (
+            names, value = [t.strip() for t in f.type.split("|")], getattr(self, f.name)
+            allowed = tuple(_OPTION_TYPES[t] for t in names)
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed) or (
                     isinstance(value, list) and not all(isinstance(v, str) for v in value)):
-                raise KVServeError(f"{f.name} must be {' or '.join(t.strip() for t in f.type.split('|'))}, got {value!r}")
+                raise KVServeError(f"{f.name} must be {' or '.join(names)}, got {value!r}")
         checks = [
             (self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}"),
             (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),

@@ -8,8 +8,8 @@ from kvserve.errors import KVServeError
 
 
 INTEGERS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")  # the logprobs may be None
-GREEDY_BELOW = 1e-5
 NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (SamplingParams.greedy)
 
 
 @dataclass(slots=True)
