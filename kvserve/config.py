@@ -58,6 +58,7 @@ class ModelConfig:
         from kvserve.models.registry import model_class
 
         arch = model_class(cfg)
+        check_hf_sizes(cfg)
         if cfg.get("mlp_bias"):
             raise KVServeError("mlp_bias is not supported")
         heads = cfg["num_attention_heads"]
@@ -97,6 +98,22 @@ class ModelConfig:
 
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")  # what every config.json gives
+_OPTIONAL_SIZES = ("intermediate_size", "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def check_hf_sizes(cfg: dict, required: tuple[str, ...] = (*HF_SIZES, "intermediate_size"), where: str = "config.json") -> None:
+    """config.json's sizes, before they size tensors: a missing or bad one was a KeyError or torch's own error."""
+    for key in HF_SIZES + _OPTIONAL_SIZES:
+        value = cfg.get(key)
+        if (value is not None or key in required) and (type(value) is not int or value <= 0):
+            raise KVServeError(f"{where}: {key} must be a positive integer, got {value!r}")
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % kv_heads:
+        raise KVServeError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if type(eps) not in (int, float) or not 0 <= eps < 1:
+        raise KVServeError(f"{where}: rms_norm_eps must be a small non-negative number, got {eps!r}")
 # On AMX a GGUF model's steps of more tokens than this attend their prompts in bf16 (bf16_prompt_attention): prefill
 # of 2,048 tokens 1.58x as fast; a chunk of a prompt gets the same numbers whatever its length up to here.
 BF16_PROMPT_ATTENTION_ROWS = 192

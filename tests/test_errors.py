@@ -209,3 +209,63 @@ def test_gguf_tensor_type_the_gguf_package_cannot_read(tmp_path, monkeypatch, ca
     assert cli.main(["generate", "--model", str(path), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "token_embd.weight is stored as Q8_1" in err and "cannot dequantize" in err
+
+
+def _edit_json(name: str, value):
+    return lambda d: (d / name).write_text(value if isinstance(value, str) else __import__("json").dumps(value))
+
+
+def _edit_config(**fields):
+    def edit(d):
+        import json
+
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**config, **fields}))
+    return edit
+
+
+def _truncate(d):
+    weights = next(d.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage,message", [
+    (_edit_config(hidden_size="64"), "config.json: hidden_size must be a positive integer, got '64'"),
+    (_edit_config(hidden_size=-64), "hidden_size must be a positive integer, got -64"),
+    (_edit_config(hidden_size=None), "hidden_size must be a positive integer, got None"),
+    (_edit_config(max_position_embeddings=0), "max_position_embeddings must be a positive integer, got 0"),
+    (_edit_config(num_key_value_heads=3), "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    (_edit_json("config.json", "[1, 2]"), "config.json holds a JSON list, not an object"),
+    (_truncate, r"cannot read .*model.safetensors: .*incomplete metadata"),
+    (_edit_json("tokenizer.json", "{bad"), "cannot load the tokenizer in .*: JSONDecodeError"),
+    (_edit_json("tokenizer.json", "{}"), "cannot load the tokenizer in .*: KeyError"),
+])
+def test_a_damaged_model_directory_is_a_clear_error(tiny_model_dir, tmp_path, damage, message):
+    """Each of these was a KeyError, a TypeError or torch's, safetensors' or tokenizers' own error before."""
+    import shutil
+
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    damage(tmp_path / "m")
+    with pytest.raises(KVServeError, match=message):
+        LLM(str(tmp_path / "m"))
+
+
+@pytest.mark.parametrize("cut", [0, 100, 0.5])
+def test_a_damaged_gguf_file_is_a_clear_error(tmp_path, monkeypatch, capsys, cut):
+    """An empty, cut or foreign file: gguf's ValueErrors, said as ours, by the engine and the memory planner."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    data = registry.resolve_model_path("smollm2-135m").read_bytes()
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(data[:int(cut * len(data)) if isinstance(cut, float) else cut])
+    with pytest.raises(KVServeError, match=f"cannot read GGUF file {path}: "):
+        LLM(str(path))
+    assert not list((tmp_path / "cache").glob("*-v*"))  # no half conversion left in the cache
+    if cut != 0.5:  # the planner reads only the header, which half a file holds whole
+        assert cli.main(["memory", str(path)]) == 2
+        assert "cannot read GGUF file" in capsys.readouterr().err
+
+
+def test_the_memory_planner_names_a_bad_size(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "hidden_size": "64", "num_attention_heads": 4, "vocab_size": 9}')
+    assert cli.main(["memory", str(tmp_path / "config.json")]) == 2
+    assert "hidden_size must be a positive integer, got '64'" in capsys.readouterr().err

@@ -171,7 +171,7 @@ def test_bad_kv_cache_memory(tiny_model_dir, value, message):
 
 
 @pytest.mark.parametrize("source,message", [("no-such-model", "is not a preset"), ("bad.json", "cannot read"),
-                                            ("empty.json", "lacks a field")])
+                                            ("empty.json", "the config of empty.json: vocab_size must be a positive integer, got None")])
 def test_bad_configs(tmp_path, monkeypatch, source, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.json").write_text("{not json")

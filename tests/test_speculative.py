@@ -936,6 +936,28 @@ def test_an_eagle_draft_must_match_the_model(tmp_path, tiny_model_dir):
     assert head.ids.tolist() == [9, 4] and head.head.out_features == 2  # the draft's two most frequent tokens
 
 
+@pytest.mark.parametrize("file,text,message", [
+    ("eagle.json", "{x", "cannot read .*eagle.json: Expecting property name"),
+    ("eagle.json", "[1]", r"eagle.json is not a feature draft's settings: \[1\]"),
+    ("eagle.json", '{"hidden_size": "64", "intermediate_size": 64, "rms_norm_eps": 1e-05}', "not a feature draft's settings"),
+    ("eagle.json", '{"hidden_size": 64, "intermediate_size": 64, "rms_norm_eps": 1e-05, "depth": 0}', "not a feature draft's settings"),
+    ("eagle.json", '{"hidden_size": 64, "intermediate_size": 64, "rms_norm_eps": 1e-05, "heads": 2}', "not a feature draft's settings"),
+    ("eagle.json", '{"hidden_size": 64, "intermediate_size": 32, "rms_norm_eps": 1e-05}', r"cannot load the feature draft's .*Error\(s\) in loading state_dict"),
+    ("eagle.safetensors", "\0" * 50, "cannot load the feature draft's .*eagle.safetensors: Error while deserializing header"),
+    ("draft_vocab.json", "{nope", "cannot read .*draft_vocab.json: JSONDecodeError"),
+    ("draft_vocab.json", '{"token_ids": []}', "token_ids must be a non-empty list of token ids"),
+    ("draft_vocab.json", '{"token_ids": [1, -2]}', "token_ids must be a non-empty list of token ids"),
+])
+def test_a_damaged_eagle_draft_is_a_clear_error(tmp_path, tiny_model_dir, file, text, message):
+    """A JSONDecodeError, a TypeError, torch's or safetensors' own error before, or (token -2) a crash mid-step."""
+    from kvserve.spec_decode.eagle import FeatureDraft
+
+    FeatureDraft(64, 64, 1e-5).save(tmp_path, [1, 2, 3])
+    (tmp_path / file).write_text(text)
+    with pytest.raises(KVServeError, match=message):
+        LLM(str(tiny_model_dir), speculative=f"eagle:model={tmp_path}")
+
+
 def test_narrowing_an_mlp_keeps_its_most_active_neurons(tmp_path):
     from tests.conftest import save_tiny_llama
 

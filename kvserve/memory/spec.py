@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvserve.config import HF_SIZES, check_hf_sizes
 from kvserve.errors import KVServeError, ModelNotFoundError
 from kvserve.layers.quantized import resident_bytes
 
@@ -115,6 +116,7 @@ def hf_layer_types(cfg: dict) -> tuple[str, ...]:
 
 def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
     cfg = {**cfg, **cfg.get("text_config", {})}  # multimodal configs nest the decoder
+    check_hf_sizes(cfg, required=HF_SIZES, where=f"the config of {name}")
     try:
         heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
         layers = cfg["num_hidden_layers"]
@@ -144,10 +146,7 @@ def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
 def spec_from_gguf(path: Path, name: str | None = None) -> ModelSpec:
     from kvserve.models.gguf_convert import read_gguf
 
-    try:
-        reader = read_gguf(path)
-    except Exception as e:  # gguf raises bare ValueError/struct errors on a broken file
-        raise KVServeError(f"cannot read GGUF file {path}: {e}") from e
+    reader = read_gguf(path)
 
     def field(key: str, default=None):
         f = reader.fields.get(key)

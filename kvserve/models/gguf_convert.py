@@ -70,7 +70,10 @@ def converted_dir(gguf_path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent))
     try:
-        _convert(gguf_path, staging)
+        try:
+            _convert(gguf_path, staging)
+        except (ValueError, KeyError, IndexError, struct.error) as e:
+            raise _unreadable(gguf_path, e) from e
         os.replace(staging, target)
     except OSError:
         if not (target / "config.json").is_file():  # not a concurrent conversion that won the race
@@ -107,7 +110,15 @@ def read_gguf(path: Path):
     import gguf
 
     with fast_gguf():
-        return gguf.GGUFReader(path)
+        try:
+            return gguf.GGUFReader(path)
+        except (ValueError, KeyError, IndexError, struct.error) as e:
+            raise _unreadable(path, e) from e
+
+
+def _unreadable(path: Path, error: Exception) -> KVServeError:
+    """What a damaged or foreign file makes the gguf package raise (ValueError, struct.error, ...), said as ours."""
+    return error if isinstance(error, KVServeError) else KVServeError(f"cannot read GGUF file {path}: {error}")
 
 
 _GGUF_PATCHED = threading.Lock()

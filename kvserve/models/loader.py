@@ -32,6 +32,8 @@ def open_checkpoint(model: str) -> Checkpoint:
         hf_config = json.loads((directory / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise KVServeError(f"cannot read {directory / 'config.json'}: {e}") from e
+    if not isinstance(hf_config, dict):
+        raise KVServeError(f"{directory / 'config.json'} holds a JSON {type(hf_config).__name__}, not an object")
     return Checkpoint(model, path, hf_config, ModelConfig.from_hf(hf_config), _load_tokenizer(directory))
 
 
@@ -52,7 +54,7 @@ def weights_digest(checkpoint: Checkpoint) -> str:
 
 def load_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor | GGUFTensor]:
     """The checkpoint's tensors by Hugging Face name: a GGUF file's quantized ones as their blocks."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     directory = _weights_dir(checkpoint)
     files = sorted(directory.glob("*.safetensors"))
@@ -60,7 +62,11 @@ def load_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor | GGUFTensor]
         raise KVServeError(f"no *.safetensors files in {directory}")
     weights: dict[str, torch.Tensor | GGUFTensor] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        try:
+            handle = safe_open(file, framework="pt")
+        except SafetensorError as e:
+            raise KVServeError(f"cannot read {file}: {e}") from e
+        with handle as f:
             quantized = json.loads((f.metadata() or {}).get(TYPES_KEY, "{}"))  # name -> [type, rows, columns]
             for name in f.keys():
                 tensor = f.get_tensor(name)
@@ -91,10 +97,13 @@ def _weights_dir(checkpoint: Checkpoint) -> Path:
 def _load_tokenizer(directory: Path):
     if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
-    if (directory / "tokenizer.json").is_file():  # the fast path: AutoTokenizer imports seconds of model code
-        from transformers import PreTrainedTokenizerFast
+    try:
+        if (directory / "tokenizer.json").is_file():  # the fast path: AutoTokenizer imports seconds of model code
+            from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(directory)
-    from transformers import AutoTokenizer
+            return PreTrainedTokenizerFast.from_pretrained(directory)
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(directory)
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as e:  # damaged files raise whatever their parser hits (tokenizers' Rust errors are plain Exception)
+        raise KVServeError(f"cannot load the tokenizer in {directory}: {type(e).__name__}: {e}") from e

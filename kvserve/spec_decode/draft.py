@@ -33,8 +33,15 @@ def read_draft_vocab(directory: Path, first: int = 0) -> list[int] | None:
     """The first `first` (0: all) of the tokens a draft's directory lists (most frequent first); None: it lists
     none, so all."""
     listed = directory / DRAFT_VOCAB
-    ids = json.loads(listed.read_text())["token_ids"] if listed.is_file() else None
-    return None if ids is None else ids[:first or len(ids)]
+    if not listed.is_file():
+        return None
+    try:
+        ids = json.loads(listed.read_text())["token_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise KVServeError(f"cannot read {listed}: {type(e).__name__}: {e}") from e
+    if not isinstance(ids, list) or not ids or any(type(t) is not int or t < 0 for t in ids):
+        raise KVServeError(f"{listed}: token_ids must be a non-empty list of token ids")
+    return ids[:first or len(ids)]
 
 
 def write_draft_vocab(directory: Path, vocab: list[int] | None) -> None:

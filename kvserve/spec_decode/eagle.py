@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -91,9 +92,26 @@ class FeatureDraft(nn.Module):
         """The draft saved in a directory (read_draft_vocab reads the tokens it may propose)."""
         if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
             raise KVServeError(f"{path} is not a feature draft (it needs {CONFIG} and {WEIGHTS}; make one with kvserve distill --eagle)")
-        draft = cls(**json.loads((path / CONFIG).read_text()))
-        draft.load_state_dict(load_file(str(path / WEIGHTS)))
+        draft = cls(**_read_config(path / CONFIG))
+        try:
+            draft.load_state_dict(load_file(str(path / WEIGHTS)))
+        except (SafetensorError, RuntimeError) as e:  # a damaged file; weights of another shape than eagle.json says
+            raise KVServeError(f"cannot load the feature draft's {path / WEIGHTS}: {e}") from e
         return draft.eval()
+
+
+def _read_config(file: Path) -> dict:
+    """eagle.json's sizes, checked: a damaged or hand-edited one was a JSONDecodeError or a TypeError from torch."""
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise KVServeError(f"cannot read {file}: {e}") from e
+    required = {"hidden_size", "intermediate_size", "rms_norm_eps"}
+    valid = isinstance(config, dict) and required <= set(config) <= required | {"depth"} and all(
+        type(config.get(key, 1)) is int and config.get(key, 1) > 0 for key in ("hidden_size", "intermediate_size", "depth"))
+    if not valid or type(config["rms_norm_eps"]) not in (int, float):
+        raise KVServeError(f"{file} is not a feature draft's settings: {config!r:.200}")
+    return config
 
 
 class EagleProposer(Proposer):
