@@ -72,6 +72,30 @@ def test_a_lone_surrogate_in_text_names_where_it_is(smollm2):
     assert smollm2.generate(["abc \U0001F600 def"], greedy(2), use_tqdm=False)[0].outputs[0].token_ids  # a pair is fine
 
 
+@pytest.mark.parametrize("messages,message", [
+    ({"role": "user", "content": "hi"}, "messages must be a list of messages or of conversations, got dict"),  # KeyError: 0
+    ("hello", "messages must be a list of messages or of conversations, got str"),  # the template's "got 'h'"
+    ([], "messages must be a non-empty list of messages, got \\[\\]"),  # answered with no outputs
+    ([None], "message 0 must be a dict with a string role, got None"),  # "messages must not be empty"
+    ([{"content": "hi"}], "message 0 must be a dict with a string role"),  # the template's "no attribute 'role'"
+    ([{"role": "user", "content": 5}], "message 0's content must be a string or a list of text parts, got 5"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "message 0's content must be a string or a list of text parts"),
+    ([[{"role": "user", "content": "hi"}], {"role": "user", "content": "yo"}], "message 0 must be a dict with a string role"),
+])
+def test_bad_chat_messages_are_named(smollm2, messages, message):
+    with pytest.raises(KVServeError, match=message):
+        smollm2.chat(messages, greedy(2))
+
+
+def test_chat_takes_openai_text_parts_as_the_server_does(smollm2):
+    """A message's content as a list of text parts, or None, as OpenAI's API sends it."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]},
+             {"role": "assistant", "content": None}]
+    text = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": ""}]
+    assert smollm2.apply_chat_template(parts) == smollm2.apply_chat_template(text)
+    assert smollm2.chat(parts[:1], greedy(4))[0].outputs[0].token_ids == smollm2.chat(text[:1], greedy(4))[0].outputs[0].token_ids
+
+
 def test_chat_asks_again_for_a_typed_line_that_is_not_utf8(monkeypatch, capsys):
     lines = iter([UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), "hello", EOFError()])
 

@@ -36,12 +36,32 @@ class PromptEncoder:
         """The conversation as prompt text, ending where the assistant's answer starts."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise KVServeError(f"{self.model} has no chat template")
-        if not messages:
-            raise KVServeError("messages must not be empty")
-        for i, message in enumerate(messages):
-            if isinstance(message, dict) and isinstance(message.get("content"), str):
-                check_text(message["content"], f"message {i}'s content")
+        if not isinstance(messages, list) or not messages:
+            raise KVServeError(f"messages must be a non-empty list of messages, got {messages!r:.80}")
+        messages = [_message(i, message) for i, message in enumerate(messages)]
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # templates raise jinja errors for conversations they do not accept
             raise KVServeError(f"the chat template rejected these messages: {e}") from e
+
+
+def _message(i: int, message) -> dict:
+    """A message as templates take it, its content a string."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise KVServeError(f"message {i} must be a dict with a string role, got {message!r:.80}")
+    text = _text(message.get("content"))
+    if text is None:
+        raise KVServeError(f"message {i}'s content must be a string or a list of text parts, got {message.get('content')!r:.80}")
+    check_text(text, f"message {i}'s content")
+    return {**message, "content": text}
+
+
+def _text(content) -> str | None:
+    """A string; None (an assistant's turn that only called tools) as empty; OpenAI's list of text parts joined.
+    None where it is none of these."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                                         for part in content):
+        return "".join(part["text"] for part in content)
+    return None

@@ -86,7 +86,9 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]], params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several; returns one output per conversation."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, list):
+            raise KVServeError(f"messages must be a list of messages or of conversations, got {type(messages).__name__}")
+        conversations = messages if messages and all(isinstance(c, list) for c in messages) else [messages]
         prompts = [self.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm, add_special_tokens=False)
 

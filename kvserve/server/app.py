@@ -135,7 +135,7 @@ class Server:
         return token_bytes(self.tokenizer, token_id) if self.tokenizer else b""
 
     def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        text = self.prompts.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+        text = self.prompts.apply_chat_template([m.model_dump() for m in req.messages])
         return self.prompts.tokenize(text, add_special_tokens=False)
 
     async def submit(self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
