@@ -46,10 +46,14 @@ def test_prompt_longer_than_context(tiny_model_dir):
 
 def test_bad_token_ids_and_empty_prompt(tiny_model_dir):
     llm = LLM(str(tiny_model_dir))
-    with pytest.raises(KVServeError, match="token ids must be ints"):
+    with pytest.raises(KVServeError, match=r"token ids must be ints in \[0, 256\); token 1 is 999999 \(int\)"):
         llm.generate([5, 999999], greedy(2), use_tqdm=False)
-    with pytest.raises(KVServeError, match="token ids must be ints"):  # bool is an int; it was taken as 1 and 0
+    with pytest.raises(KVServeError, match=r"token 0 is True \(bool\)"):  # bool is an int; it was taken as 1 and 0
         llm.generate([[True, False]], greedy(2), use_tqdm=False)
+    with pytest.raises(KVServeError, match=r"token 0 is 'hi' \(str\)"):  # LLM.stream takes one prompt
+        next(llm.stream(["hi", "yo"], greedy(2)))
+    with pytest.raises(KVServeError, match="params must be SamplingParams, got dict"):  # an AttributeError
+        next(llm.stream([5, 6], {"max_tokens": 2}))
     with pytest.raises(KVServeError, match="empty"):
         llm.generate([[]], greedy(2), use_tqdm=False)
     with pytest.raises(KVServeError, match="prompts must be a prompt or a list of them, got NoneType"):

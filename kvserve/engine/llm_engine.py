@@ -153,6 +153,8 @@ class LLMEngine:
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> KVPolicy | None:
         """Raise a clear error for a request this engine cannot run; returns its KV policy."""
+        if not isinstance(params, SamplingParams):
+            raise KVServeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         policy = self.request_policy(params)
         if params.n > 1 and self.config.scheduler == "static":
@@ -160,8 +162,10 @@ class LLMEngine:
         limit, vocab = self.request_limit(policy), self.checkpoint.config.vocab_size
         if not token_ids:
             raise KVServeError("the prompt is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
-            raise KVServeError(f"prompt token ids must be ints in [0, {vocab})")
+        bad = next((i for i, t in enumerate(token_ids) if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            value = token_ids[bad]
+            raise KVServeError(f"prompt token ids must be ints in [0, {vocab}); token {bad} is {value!r:.40} ({type(value).__name__})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise KVServeError(f"logit_bias names token {max(params.logit_bias)}, past the vocabulary ({vocab} tokens)")
         if len(token_ids) >= limit + (params.max_tokens == 0):  # a scored prompt may fill the limit
