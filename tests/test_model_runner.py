@@ -60,3 +60,13 @@ def test_plain_decode_steps_get_the_general_paths_inputs(request, model, options
     assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
     assert max(compared) == len(prompts)
     assert bool(partial) == ("max_num_batched_tokens" in options)
+
+
+def test_a_budget_of_one_token_a_step_feeds_prompts_a_token_at_a_time(tiny_model_dir):
+    """A step whose one row is a prompt's token before its last samples nothing: its empty logits_index was a float
+    tensor, and indexing with it an IndexError."""
+    prompts = [[(7 * i + j) % 250 for j in range(n)] for i, n in enumerate((1, 5, 9))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    one, whole = (LLM(str(tiny_model_dir), max_num_batched_tokens=budget, **FP32).generate(prompts, params, use_tqdm=False)
+                  for budget in (1, None))
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in whole]

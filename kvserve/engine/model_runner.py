@@ -280,7 +280,7 @@ class ModelRunner:
         slot_mappings = [torch.from_numpy(t[rows, starts // bs] * bs + starts % bs).to(dev) for t in tables]
         group = _group(ones.astype(bool), starts, ones, rows, tables, bs, self.windows).to(dev)
         group.in_order = True
-        logits_index = None if len(sampling_rows) == len(seqs) else torch.tensor(sampling_rows).to(dev)
+        logits_index = None if len(sampling_rows) == len(seqs) else torch.tensor(sampling_rows, dtype=torch.long).to(dev)
         ctx = ForwardContext(torch.from_numpy(starts).to(dev), slot_mappings, [group], self.backend)
         return StepInputs(input_ids, ctx, logits_index, sampling_rows, [], [rows.tolist()])
 
