@@ -170,6 +170,16 @@ def test_bad_kv_cache_memory(tiny_model_dir, value, message):
     assert cli.main(["generate", "--model", str(tiny_model_dir), "--kv-cache-memory", value, "--prompt", "hi"]) == 2
 
 
+@pytest.mark.parametrize("option", [dict(num_blocks=10**12), dict(kv_cache_memory="100TiB")])
+def test_a_pool_larger_than_free_memory_is_refused(tiny_model_dir, option):
+    """The pool's map failed with an OSError (ENOMEM), or, a little under the kernel's limit, succeeded until its
+    pages filled."""
+    from kvserve import LLM
+
+    with pytest.raises(KVServeError, match=r"a KV pool of \d+ blocks needs [\d.]+ GiB, but [\d.]+ GiB of cpu memory is free"):
+        LLM(str(tiny_model_dir), **option)
+
+
 @pytest.mark.parametrize("source,message", [("no-such-model", "is not a preset"), ("bad.json", "cannot read"),
                                             ("empty.json", "the config of empty.json: vocab_size must be a positive integer, got None")])
 def test_bad_configs(tmp_path, monkeypatch, source, message):

@@ -16,7 +16,7 @@ from kvserve.engine.scheduler import ScheduledBatch
 from kvserve.engine.sequence import Sequence
 from kvserve.errors import KVServeError
 from kvserve.kernels import native_ops, triton_ops
-from kvserve.kv.cache import KVCache, pool_sizes
+from kvserve.kv.cache import KVCache, check_pool_fits, pool_sizes
 from kvserve.kv.spec import KVLayout
 from kvserve.layers.sampler import SamplerOutput, SamplingBatch, sample, score_prompt
 from kvserve.models.base import CausalLM, use_q8_weights
@@ -79,6 +79,7 @@ class ModelRunner:
         num_residual = 0
         if num_blocks is None:
             num_blocks, num_residual = pool_sizes(layout, config, max_model_len)
+        check_pool_fits(layout, num_blocks, num_residual, self.device)
         self.kv_cache = KVCache(layout, num_blocks, num_residual, config.torch_dtype, self.device)
         hugepages.return_freed_memory()
         self.windows = layout.windows

@@ -215,6 +215,17 @@ def pool_sizes(layout: KVLayout, config: EngineConfig, max_model_len: int) -> tu
     return int(num_blocks), num_residual
 
 
+def check_pool_fits(layout: KVLayout, num_blocks: int, num_residual: int, device: torch.device) -> None:
+    """Refuse a pool larger than the device's free memory before mapping it: on CPU the map failed with ENOMEM, or
+    succeeded and the kernel killed the process once the pool's pages filled."""
+    need = num_blocks * layout.block_bytes() + num_residual * layout.block_bytes(residual=True)
+    if device.type == "cpu" and not Path("/proc/meminfo").is_file():
+        return
+    if need > (free := free_memory(device)):
+        raise KVServeError(f"a KV pool of {num_blocks} blocks needs {need / 2**30:.2f} GiB, but {free / 2**30:.2f} GiB of "
+                           f"{device.type} memory is free: lower num_blocks or kv_cache_memory")
+
+
 def free_memory(device: torch.device) -> int:
     """Bytes a new allocation can take on the device: on CUDA the driver's free memory plus what torch's
     caching allocator holds unused; on CPU the kernel's MemAvailable."""
