@@ -142,7 +142,7 @@ def test_pool_as_a_share_of_the_memory_free_after_loading(tiny_model_dir, monkey
     monkeypatch.setattr(cache, "free_memory", lambda device: seen.append(device.type) or 10 * MiB)
     per_token = kv_bytes_per_token(load_spec(str(tiny_model_dir)), "fp32")
     llm = LLM(str(tiny_model_dir), kv_cache_memory="5%", block_size=8, kv_cache_dtype="float32", device="cpu")
-    assert seen == ["cpu"] and llm.engine.kv_manager.num_blocks == int(0.05 * 10 * MiB) // (8 * per_token)
+    assert set(seen) == {"cpu"} and llm.engine.kv_manager.num_blocks == int(0.05 * 10 * MiB) // (8 * per_token)
     assert llm.engine.kv_usage()["total_bytes"] <= 0.05 * 10 * MiB
     # no more blocks than max_num_seqs requests of max_model_len tokens fill
     capped = LLM(str(tiny_model_dir), kv_cache_memory="100%", block_size=8, max_num_seqs=3, max_model_len=100, device="cpu")
