@@ -265,6 +265,7 @@ def _truncate(d):
     (_edit_config(num_key_value_heads=3), "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     (_edit_json("config.json", "[1, 2]"), "config.json holds a JSON list, not an object"),
     (_truncate, r"cannot read .*model.safetensors: .*incomplete metadata"),
+    (lambda d: (d / "model.safetensors").unlink(), r"no model.safetensors \(or model.safetensors.index.json\) in"),
     (_edit_json("tokenizer.json", "{bad"), "cannot load the tokenizer in .*: JSONDecodeError"),
     (_edit_json("tokenizer.json", "{}"), "cannot load the tokenizer in .*: KeyError"),
 ])
@@ -276,6 +277,30 @@ def test_a_damaged_model_directory_is_a_clear_error(tiny_model_dir, tmp_path, da
     damage(tmp_path / "m")
     with pytest.raises(KVServeError, match=message):
         LLM(str(tmp_path / "m"))
+
+
+def test_a_directory_loads_the_files_transformers_reads(tmp_path, capsys):
+    """Shards its index names; not a feature draft's eagle.safetensors distilled into the same directory, which
+    was loaded beside the model's and did not match it."""
+    from tests.conftest import save_tiny_llama
+
+    from kvserve.spec_decode.eagle import FeatureDraft
+
+    model = save_tiny_llama(tmp_path / "whole")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    FeatureDraft(64, 64, 1e-5).save(tmp_path / "whole", None)
+    answers = [LLM(str(tmp_path / d)).generate([[5, 6, 7]], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+               for d in ("whole", "sharded")]
+    assert answers[0] == answers[1]
+    _edit_config(vocab_size=100)(tmp_path / "whole")  # torch's message of the mismatch spans lines; the CLI's is one
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(tmp_path / "whole"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "do not match a llama model: Error(s) in loading state_dict for LlamaForCausalLM: size mismatch" in err
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(KVServeError, match="cannot read .*model.safetensors.index.json: KeyError"):
+        LLM(str(tmp_path / "sharded"))
 
 
 @pytest.mark.parametrize("cut", [0, 100, 0.5])

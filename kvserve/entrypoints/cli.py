@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 import time
@@ -452,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_args(args)
         args.func(args)
-    except KVServeError as e:
-        print(f"kvserve: error: {e}", file=sys.stderr)
+    except KVServeError as e:  # one line: some messages quote another library's, which may span several
+        print("kvserve: error: " + re.sub(r"\s*\n\s*", " ", str(e)), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -12,7 +12,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.errors import KVServeError
 from kvserve.layers.quantized import GGUFTensor
-from kvserve.models.gguf_convert import TYPES_KEY, converted_dir, copy_without_tokenizer, fast_gguf
+from kvserve.models.gguf_convert import TYPES_KEY, WEIGHTS_FILE, converted_dir, copy_without_tokenizer, fast_gguf
 from kvserve.models.registry import resolve_model_path
 
 
@@ -42,7 +42,7 @@ def weights_digest(checkpoint: Checkpoint) -> str:
     what names the model to a KV tier that outlives the process or serves other machines, where a path and a
     time would miss files rewritten in place and copies elsewhere (~0.07 s for SmolLM2's 98 MB)."""
     path = checkpoint.path
-    files = [path] if path.is_file() else [path / "config.json", *sorted(path.glob("*.safetensors"))]
+    files = [path] if path.is_file() else [path / "config.json", *_weight_files(path)]
     digest = hashlib.sha256()
     for file in files:
         digest.update(f"{file.name}|{file.stat().st_size}|".encode())
@@ -56,12 +56,8 @@ def load_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor | GGUFTensor]
     """The checkpoint's tensors by Hugging Face name: a GGUF file's quantized ones as their blocks."""
     from safetensors import SafetensorError, safe_open
 
-    directory = _weights_dir(checkpoint)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise KVServeError(f"no *.safetensors files in {directory}")
     weights: dict[str, torch.Tensor | GGUFTensor] = {}
-    for file in files:
+    for file in _weight_files(_weights_dir(checkpoint)):
         try:
             handle = safe_open(file, framework="pt")
         except SafetensorError as e:
@@ -88,6 +84,22 @@ def transformers_model(path: Path, dtype: torch.dtype = torch.float32):
         light = Path(tmp) / path.name  # seconds, twice
         copy_without_tokenizer(path, light)
         return AutoModelForCausalLM.from_pretrained(light.parent, gguf_file=light.name, dtype=dtype)
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The files transformers reads: the shards an index names, else model.safetensors (or kvserve's conversion of a
+    GGUF file). Not every *.safetensors: a feature draft distilled into the same directory left eagle.safetensors,
+    whose tensors then did not match the model."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise KVServeError(f"cannot read {index}: {type(e).__name__}: {e}") from e
+    files = [directory / name for name in ("model.safetensors", WEIGHTS_FILE) if (directory / name).is_file()]
+    if not files:
+        raise KVServeError(f"no model.safetensors (or model.safetensors.index.json) in {directory}")
+    return files
 
 
 def _weights_dir(checkpoint: Checkpoint) -> Path:
