@@ -121,3 +121,23 @@ def test_bad_values_text_and_context(tmp_path):
         run_eval(EvalSettings(tokens=100), progress=False)
     with pytest.raises(KVServeError, match="context 9000 is longer than the model's window of 8192 tokens"):
         run_eval(EvalSettings(context=9000), progress=False)
+
+
+@pytest.mark.parametrize("compare,message", [
+    ("kv_cache_dtype=int3", "kv_cache_dtype must be one of .* got 'int3'"),
+    ("kv_policy=streaming:sinks=4,window=8", r"kv_policy streaming: the window \(8\) is smaller than a block \(16 tokens\)"),
+    ("speculative=ngram:k=99", "speculative decoding needs 1 <= k <= 16"),
+])
+def test_every_option_set_is_checked_before_the_baseline_runs(monkeypatch, compare, message):
+    """A typo in the last --compare failed after the baseline's minutes of work."""
+    import kvserve.eval as evaluation
+
+    monkeypatch.setattr(evaluation, "_engine", lambda *a: pytest.fail("an engine was built before the options were checked"))
+    with pytest.raises(KVServeError, match=message):
+        run_eval(EvalSettings(compare=["kv_cache_dtype=int8", compare]), progress=False)
+
+
+def test_decode_tokens_must_leave_a_prompt():
+    """With --decode-tokens >= --context the decode-speed prompt was empty: an IndexError after the scoring."""
+    with pytest.raises(KVServeError, match="--decode-tokens 32 must be below --context 32"):
+        run_eval(EvalSettings(context=32), progress=False)

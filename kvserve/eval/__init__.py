@@ -21,6 +21,7 @@ from kvserve.entrypoints.llm import LLM
 from kvserve.errors import KVServeError
 from kvserve.eval.passkey import passkey_prompts
 from kvserve.eval.text import load_text
+from kvserve.kv.policies import parse_policy
 from kvserve.sampling_params import SamplingParams
 
 GiB = 2**30
@@ -45,6 +46,8 @@ class EvalSettings:
         for name in ("context", "chunk", "tokens", "passkey_trials", "decode_tokens"):
             if getattr(self, name) < 1:
                 raise KVServeError(f"eval's {name} (--{name.replace('_', '-')}) must be >= 1, got {getattr(self, name)}")
+        if self.decode_tokens >= self.context:  # decode speed is measured after a prompt of the rest of the context
+            raise KVServeError(f"--decode-tokens {self.decode_tokens} must be below --context {self.context}")
 
 
 def parse_options(text: str) -> dict:
@@ -86,6 +89,11 @@ def run_eval(settings: EvalSettings, progress: bool = True) -> dict:
     settings.validate()
     base = parse_options(settings.base)
     runs = {"baseline": base} | {name: {**base, **parse_options(name)} for name in settings.compare}
+    for options in runs.values():  # each set's settings, before the baseline's minutes of work
+        config = _engine_config(settings, options)
+        config.validate()
+        if (policy := parse_policy(config.kv_policy)) is not None:
+            policy.check(config.block_size)
     first = _engine(settings, base)  # validates the model and the context before any long work
     max_len = first.engine.request_limit(first.engine.kv_policy)  # past the model's window under streaming
     if settings.context > max_len:
@@ -101,19 +109,18 @@ def run_eval(settings: EvalSettings, progress: bool = True) -> dict:
     passkeys = passkey_prompts(first.engine, lengths, settings.passkey_depths, settings.passkey_trials, settings.seed)
     del first
     results, reference = [], None
-    bar = tqdm(total=len(runs) * (len(windows) + 2), desc="eval", unit="step", disable=not progress)
-    for name, options in runs.items():
-        bar.set_postfix_str(name)
-        llm = _engine(settings, options)
-        scored = _score(llm, windows, reference, bar)
-        distributions = scored.pop("distributions")
-        reference = distributions if reference is None else reference
-        results.append({"name": name, "options": options, **_memory(llm), **scored,
-                        **_passkey(llm, passkeys, lengths, settings.passkey_depths), "decode_tok_s": _decode_speed(llm, ids, settings)})
-        bar.update(2)
-        del llm
-        gc.collect()
-    bar.close()
+    with tqdm(total=len(runs) * (len(windows) + 2), desc="eval", unit="step", disable=not progress) as bar:  # closed
+        for name, options in runs.items():  # before an error's line
+            bar.set_postfix_str(name)
+            llm = _engine(settings, options)
+            scored = _score(llm, windows, reference, bar)
+            distributions = scored.pop("distributions")
+            reference = distributions if reference is None else reference
+            results.append({"name": name, "options": options, **_memory(llm), **scored, **_passkey(llm, passkeys, lengths,
+                            settings.passkey_depths), "decode_tok_s": _decode_speed(llm, ids, settings)})
+            bar.update(2)
+            del llm
+            gc.collect()
     baseline = results[0]["perplexity"]
     for r in results:
         r["delta_ppl"] = r["perplexity"] / baseline - 1
@@ -123,8 +130,11 @@ def run_eval(settings: EvalSettings, progress: bool = True) -> dict:
 
 
 def _engine(settings: EvalSettings, options: dict) -> LLM:
-    defaults = dict(max_num_batched_tokens=settings.chunk, seed=settings.seed)
-    return LLM(settings.model, **{**defaults, **options})
+    return LLM.from_config(_engine_config(settings, options))
+
+
+def _engine_config(settings: EvalSettings, options: dict) -> EngineConfig:
+    return EngineConfig(**{"model": settings.model, "max_num_batched_tokens": settings.chunk, "seed": settings.seed, **options})
 
 
 def _score(llm: LLM, windows: list[list[int]], reference: list[torch.Tensor] | None, bar) -> dict:
