@@ -322,3 +322,20 @@ def test_the_memory_planner_names_a_bad_size(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "hidden_size": "64", "num_attention_heads": 4, "vocab_size": 9}')
     assert cli.main(["memory", str(tmp_path / "config.json")]) == 2
     assert "hidden_size must be a positive integer, got '64'" in capsys.readouterr().err
+
+
+def test_serve_fails_at_once_on_a_port_in_use(monkeypatch, capsys):
+    """The port is bound before the model loads: it was uvicorn's exit 3 once the model had loaded."""
+    import socket
+
+    from kvserve.server.async_engine import AsyncEngine
+
+    monkeypatch.setattr(AsyncEngine, "start", lambda *a, **kw: pytest.fail("the engine started"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+    assert cli.main(["serve", "--host", "no-such-host.invalid", "--port", str(port)]) == 2
+    assert "cannot listen on no-such-host.invalid" in capsys.readouterr().err

@@ -5,6 +5,7 @@ import argparse
 import json
 import re
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -222,6 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise KVServeError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if not 1 <= args.port <= 65535:  # uvloop would bind the port modulo 65536 and say nothing
         raise KVServeError(f"--port must be in [1, 65535], got {args.port}")
+    sock = _listen(args.host, args.port)
     name = args.served_model_name or args.model
     engine = AsyncEngine.start(engine_config(args), name, args.max_waiting, describe=serve_description, place=True,
                                stream_interval=args.stream_interval)
@@ -231,12 +233,23 @@ def cmd_serve(args: argparse.Namespace) -> None:
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
         for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn raises the signal that stopped it again once it has shut
             signal.signal(sig, lambda *_: None)  # down; this handler, restored under it, lets the engine stop and exit 0
-        server.run()
-        started = server.started
+        server.run(sockets=[sock])
     finally:
         engine.stop()
-    if not started:
-        raise KVServeError(f"could not serve on {args.host}:{args.port} (see the log above)")
+        sock.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads (as vLLM does; the family as uvicorn picks it): a port in
+    use or an address not this machine's was uvicorn's exit 3, once a model had taken its minutes to load."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # uvicorn's own: a restart finds the port in TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:  # gaierror too: a host name that does not resolve
+        sock.close()
+        raise KVServeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
 
 
 def _add_serve_parser(sub) -> None:
