@@ -53,12 +53,13 @@ class ModelConfig:
     rope_interleave: bool = False  # DeepSeek's RoPE pairs adjacent dims; rows are reordered to rotate-half at load
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> ModelConfig:
+    def from_hf(cls, cfg: dict, where: str = "config.json") -> ModelConfig:
+        """`where`: what a bad size is said to be in (a GGUF file's settings come from its metadata)."""
         from kvserve.memory.spec import hf_layer_types
         from kvserve.models.registry import model_class
 
         arch = model_class(cfg)
-        check_hf_sizes(cfg)
+        check_hf_sizes(cfg, where=where)
         if cfg.get("mlp_bias"):
             raise KVServeError("mlp_bias is not supported")
         heads = cfg["num_attention_heads"]

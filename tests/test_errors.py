@@ -213,30 +213,50 @@ def test_cli_chat_clear_starts_a_new_conversation(capsys):
     assert int(again.group(3)) >= int(first.group(1)) // 16 * 16  # every full block of it was cached
 
 
-def test_gguf_tensor_type_the_gguf_package_cannot_read(tmp_path, monkeypatch, capsys):
-    """A GGUF whose weights are in a type gguf cannot dequantize ends in one line naming the tensor and type."""
+def _tiny_gguf(path, heads: int = 4, tokens: bool = True, kind=None) -> None:
+    """A one-layer llama GGUF with only a token embedding (in `kind`, a gguf quant type; None: F32)."""
     import gguf
     import numpy as np
 
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "odd.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_embedding_length(64)
-    writer.add_head_count(4)
+    writer.add_head_count(heads)
     writer.add_block_count(1)
     writer.add_feed_forward_length(128)
     writer.add_context_length(128)
-    writer.add_token_list([f"t{i}" for i in range(32)])
-    kind = gguf.GGMLQuantizationType.Q8_1
-    block, size = gguf.GGML_QUANT_SIZES[kind]
-    writer.add_tensor("token_embd.weight", np.zeros((32, 64 // block * size), dtype=np.uint8), raw_dtype=kind)
+    if tokens:
+        writer.add_token_list([f"t{i}" for i in range(32)])
+    if kind is None:
+        writer.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float32))
+    else:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        writer.add_tensor("token_embd.weight", np.zeros((32, 64 // block * size), dtype=np.uint8), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert cli.main(["generate", "--model", str(path), "--prompt", "hi"]) == 2
+
+
+def test_gguf_tensor_type_the_gguf_package_cannot_read(tmp_path, monkeypatch, capsys):
+    """A GGUF whose weights are in a type gguf cannot dequantize ends in one line naming the tensor and type."""
+    import gguf
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    _tiny_gguf(tmp_path / "odd.gguf", kind=gguf.GGMLQuantizationType.Q8_1)
+    assert cli.main(["generate", "--model", str(tmp_path / "odd.gguf"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "token_embd.weight is stored as Q8_1" in err and "cannot dequantize" in err
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(heads=0), "no-heads.gguf's metadata: num_attention_heads must be a positive integer, got 0"),  # ZeroDivisionError
+    (dict(tokens=False), r"the GGUF file lists no vocabulary \(tokenizer.ggml.tokens\)"),  # "cannot read ...: 'tokenizer.ggml.tokens'"
+])
+def test_gguf_metadata_that_cannot_make_a_model(tmp_path, monkeypatch, options, message):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    _tiny_gguf(tmp_path / "no-heads.gguf", **options)
+    with pytest.raises(KVServeError, match=message):
+        LLM(str(tmp_path / "no-heads.gguf"))
 
 
 def _edit_json(name: str, value):

@@ -214,7 +214,9 @@ def _hf_config(reader) -> dict:
     p = f"{arch}."
     names = {t.name for t in reader.tensors}
     hidden, heads = _field(reader, p + "embedding_length"), _field(reader, p + "attention.head_count")
-    tokens = reader.fields["tokenizer.ggml.tokens"]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise KVServeError("the GGUF file lists no vocabulary (tokenizer.ggml.tokens)")
     config = {
         "model_type": MODEL_TYPES[arch],
         "vocab_size": len(tokens.data),
@@ -223,7 +225,7 @@ def _hf_config(reader) -> dict:
         "num_hidden_layers": _field(reader, p + "block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": _field(reader, p + "attention.head_count_kv", heads),
-        "head_dim": _field(reader, p + "attention.key_length", hidden // heads),
+        "head_dim": _field(reader, p + "attention.key_length", hidden // heads if heads else None),  # 0: ModelConfig says
         "rms_norm_eps": _field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": _field(reader, p + "rope.freq_base", 10000.0),
         "max_position_embeddings": _field(reader, p + "context_length", 2048),

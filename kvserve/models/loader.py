@@ -34,7 +34,8 @@ def open_checkpoint(model: str) -> Checkpoint:
         raise KVServeError(f"cannot read {directory / 'config.json'}: {e}") from e
     if not isinstance(hf_config, dict):
         raise KVServeError(f"{directory / 'config.json'} holds a JSON {type(hf_config).__name__}, not an object")
-    return Checkpoint(model, path, hf_config, ModelConfig.from_hf(hf_config), _load_tokenizer(directory))
+    config = ModelConfig.from_hf(hf_config, f"{path.name}'s metadata" if path.suffix == ".gguf" else "config.json")
+    return Checkpoint(model, path, hf_config, config, _load_tokenizer(directory))
 
 
 def weights_digest(checkpoint: Checkpoint) -> str:
