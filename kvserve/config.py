@@ -11,7 +11,9 @@ from kvserve.errors import KVServeError
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The RoPE scalings kvserve computes, with the numbers each reads from the config
+ROPE_FIELDS = {"default": (), "linear": ("factor",),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 # How K and V may be stored: "auto", then kvserve.kv.formats.FORMATS' names (named here, where settings are read
 # without torch)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi2")
@@ -60,10 +62,11 @@ class ModelConfig:
 
         arch = model_class(cfg)
         check_hf_sizes(cfg, where=where)
+        _check_settings(cfg, where)
         if cfg.get("mlp_bias"):
             raise KVServeError("mlp_bias is not supported")
         heads = cfg["num_attention_heads"]
-        theta, scaling = _rope_settings(cfg)
+        theta, scaling = _rope_settings(cfg, where)
         eos = cfg.get("eos_token_id")
         layer_types = hf_layer_types(cfg)
         config = cls(
@@ -120,16 +123,41 @@ def check_hf_sizes(cfg: dict, required: tuple[str, ...] = (*HF_SIZES, "intermedi
 BF16_PROMPT_ATTENTION_ROWS = 192
 
 
-def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
+def _check_settings(cfg: dict, where: str) -> None:
+    """config.json's other values the engine reads, whose wrong types were taken as they came (attention_bias "no" is
+    true; an eos_token_id "2" never ended a request)."""
+    for key in ("tie_word_embeddings", "attention_bias", "use_sliding_window"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise KVServeError(f"{where}: {key} must be true or false, got {cfg[key]!r}")
+    for key in ("bos_token_id", "eos_token_id"):
+        ids = cfg.get(key) if isinstance(cfg.get(key), list) else [cfg.get(key)] if cfg.get(key) is not None else []
+        if not all(type(t) is int and t >= 0 for t in ids):
+            raise KVServeError(f"{where}: {key} must be a token id or a list of them, got {cfg[key]!r}")
+    window, types = cfg.get("sliding_window"), cfg.get("layer_types")
+    if window is not None and (type(window) is not int or window < 0):
+        raise KVServeError(f"{where}: sliding_window must be a number of tokens, got {window!r}")
+    if types is not None and (not isinstance(types, list) or len(types) != cfg["num_hidden_layers"]
+                              or not set(types) <= {"full_attention", "sliding_attention"}):
+        raise KVServeError(f"{where}: layer_types must name full_attention or sliding_attention for each of the "
+                           f"{cfg['num_hidden_layers']} layers, got {types!r:.120}")
+
+
+def _rope_settings(cfg: dict, where: str) -> tuple[float, dict | None]:
     """transformers 5 writes `rope_parameters` (per layer type for hybrid models: the global layers' here);
     older configs write `rope_theta` and `rope_scaling`."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    params = dict(params.get("full_attention", params))
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    params = params.get("full_attention", params) if isinstance(params, dict) else params
+    if not isinstance(params, dict):
+        raise KVServeError(f"{where}: rope_parameters must be an object, got {params!r:.80}")
+    params = dict(params)
+    theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise KVServeError(f"unsupported RoPE scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    return theta, (None if rope_type == "default" else {**params, "rope_type": rope_type})
+    if rope_type not in ROPE_FIELDS:
+        raise KVServeError(f"unsupported RoPE scaling {rope_type!r}; supported: {', '.join(ROPE_FIELDS)}")
+    for name, value in (("rope_theta", theta), *((key, params.get(key)) for key in ROPE_FIELDS[rope_type])):
+        if type(value) not in (int, float) or value <= 0:
+            raise KVServeError(f"{where}: RoPE's {name} must be a positive number, got {value!r}")
+    return float(theta), (None if rope_type == "default" else {**params, "rope_type": rope_type})
 
 
 def memory_share(value: str | int) -> float | None:

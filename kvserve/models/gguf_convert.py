@@ -241,7 +241,7 @@ def _hf_config(reader) -> dict:
         config.update(sliding_window=_field(reader, p + "attention.sliding_window"), sliding_window_pattern=6,
                       rope_local_base_freq=10000.0, query_pre_attn_scalar=config["head_dim"],
                       hidden_activation="gelu_pytorch_tanh",
-                      eos_token_id=[config["eos_token_id"]] + ([end_of_turn] if end_of_turn is not None else []))
+                      eos_token_id=[t for t in (config["eos_token_id"], end_of_turn) if t is not None])
     return config
 
 
