@@ -102,6 +102,9 @@ class ModelConfig:
 
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# On AMX a GGUF model's steps of more tokens than this attend their prompts in bf16 (bf16_prompt_attention): prefill
+# of 2,048 tokens 1.58x as fast; a chunk of a prompt gets the same numbers whatever its length up to here.
+BF16_PROMPT_ATTENTION_ROWS = 192
 HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")  # what every config.json gives
 _OPTIONAL_SIZES = ("intermediate_size", "num_key_value_heads", "head_dim", "max_position_embeddings")
 
@@ -118,9 +121,6 @@ def check_hf_sizes(cfg: dict, required: tuple[str, ...] = (*HF_SIZES, "intermedi
     eps = cfg.get("rms_norm_eps", 1e-6)
     if type(eps) not in (int, float) or not 0 <= eps < 1:
         raise KVServeError(f"{where}: rms_norm_eps must be a small non-negative number, got {eps!r}")
-# On AMX a GGUF model's steps of more tokens than this attend their prompts in bf16 (bf16_prompt_attention): prefill
-# of 2,048 tokens 1.58x as fast; a chunk of a prompt gets the same numbers whatever its length up to here.
-BF16_PROMPT_ATTENTION_ROWS = 192
 
 
 def _check_settings(cfg: dict, where: str) -> None:
@@ -130,9 +130,9 @@ def _check_settings(cfg: dict, where: str) -> None:
         if cfg.get(key) is not None and not isinstance(cfg[key], bool):
             raise KVServeError(f"{where}: {key} must be true or false, got {cfg[key]!r}")
     for key in ("bos_token_id", "eos_token_id"):
-        ids = cfg.get(key) if isinstance(cfg.get(key), list) else [cfg.get(key)] if cfg.get(key) is not None else []
-        if not all(type(t) is int and t >= 0 for t in ids):
-            raise KVServeError(f"{where}: {key} must be a token id or a list of them, got {cfg[key]!r}")
+        value = cfg.get(key)
+        if not all(type(t) is int and t >= 0 for t in (value if isinstance(value, list) else [] if value is None else [value])):
+            raise KVServeError(f"{where}: {key} must be a token id or a list of them, got {value!r}")
     window, types = cfg.get("sliding_window"), cfg.get("layer_types")
     if window is not None and (type(window) is not int or window < 0):
         raise KVServeError(f"{where}: sliding_window must be a number of tokens, got {window!r}")

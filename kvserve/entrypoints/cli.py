@@ -223,20 +223,23 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise KVServeError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if not 1 <= args.port <= 65535:  # uvloop would bind the port modulo 65536 and say nothing
         raise KVServeError(f"--port must be in [1, 65535], got {args.port}")
-    sock = _listen(args.host, args.port)
     name = args.served_model_name or args.model
-    engine = AsyncEngine.start(engine_config(args), name, args.max_waiting, describe=serve_description, place=True,
-                               stream_interval=args.stream_interval)
-    try:
-        app = create_app(engine, name, api_key=args.api_key)
-        print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} ({engine.facts.description}", file=sys.stderr)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-        for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn raises the signal that stopped it again once it has shut
-            signal.signal(sig, lambda *_: None)  # down; this handler, restored under it, lets the engine stop and exit 0
-        server.run(sockets=[sock])
-    finally:
-        engine.stop()
-        sock.close()
+    with _listen(args.host, args.port) as sock:
+        engine = AsyncEngine.start(engine_config(args), name, args.max_waiting, describe=serve_description, place=True,
+                                   stream_interval=args.stream_interval)
+        try:
+            app = create_app(engine, name, api_key=args.api_key)
+            print(f"kvserve: serving {args.model} on http://{args.host}:{args.port} ({engine.facts.description}", file=sys.stderr)
+            server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+            # uvicorn raises the signal that stopped it again once it has shut down; this handler, restored under
+            # it, lets the engine stop and exit 0
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: None)
+            server.run(sockets=[sock])
+        finally:
+            engine.stop()
+    if not server.started:
+        raise KVServeError(f"could not serve on {args.host}:{args.port} (see the log above)")
 
 
 def _listen(host: str, port: int) -> socket.socket:
