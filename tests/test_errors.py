@@ -188,6 +188,20 @@ def test_cli_generate_streams_and_reports(capsys, smollm2):
     assert int(weights.group(1)) == round(smollm2.engine.runner.model.weight_bytes() / 2**20)
 
 
+def test_cli_generate_reads_its_prompt_from_a_file_or_standard_input(capsys, monkeypatch, tmp_path):
+    import io
+
+    (tmp_path / "prompt.txt").write_text("The capital of France is", encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("The capital of France is".encode())))
+    for source in (str(tmp_path / "prompt.txt"), "-"):
+        assert cli.main(["generate", "--prompt-file", source, "--max-tokens", "4", "--temperature", "0"]) == 0
+        captured = capsys.readouterr()
+        assert "Paris" in captured.out and STATS.search(captured.err).group(1) == "5"
+    (tmp_path / "prompt.txt").write_bytes(b"caf\xe9")
+    assert cli.main(["generate", "--prompt-file", str(tmp_path / "prompt.txt")]) == 2
+    assert "cannot read text file" in capsys.readouterr().err
+
+
 def test_cli_scheduler_and_penalty_flags(capsys):
     argv = ["generate", "--prompt", "one one one one", "--max-tokens", "6", "--scheduler", "static",
             "--repetition-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "0.5", "--ignore-eos"]

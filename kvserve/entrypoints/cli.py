@@ -146,10 +146,23 @@ def load_llm(args: argparse.Namespace):
     return llm
 
 
+def read_prompt(path: str) -> str:
+    """--prompt-file's text: the file's, or standard input's for -."""
+    from kvserve.eval.text import load_text
+
+    if path != "-":
+        return load_text(path)
+    try:
+        return sys.stdin.buffer.read().decode()
+    except UnicodeDecodeError as e:
+        raise KVServeError(f"cannot read the prompt from standard input: {e}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     params = sampling_params(args)
+    prompt = args.prompt if args.prompt_file is None else read_prompt(args.prompt_file)
     llm = load_llm(args)
-    out = stream_answer(llm, args.prompt, params, add_special_tokens=True)
+    out = stream_answer(llm, prompt, params, add_special_tokens=True)
     print(stats_line(out), file=sys.stderr)
 
 
@@ -438,7 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="A small LLM inference engine built around the KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt, streaming the tokens")
-    gen.add_argument("--prompt", required=True)
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt")
+    source.add_argument("--prompt-file", metavar="FILE", help="the prompt's text from a file (-: standard input)")
     add_engine_args(gen)
     add_sampling_args(gen, max_tokens=128)
     gen.set_defaults(func=cmd_generate)

@@ -12,6 +12,6 @@ def load_text(path: str | None) -> str:
 
         return "\n\n".join(pydoc_data.topics.topics.values())
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise KVServeError(f"cannot read text file {path}: {e}") from e
