@@ -119,6 +119,18 @@ def test_logprobs(client):
     assert len(comp.choices[0].logprobs.token_logprobs) == 3
 
 
+def test_logprobs_that_are_not_finite_are_valid_json():
+    """A model whose logits overflow gives NaN logprobs: the answer was a 500, the stream's JSON invalid (NaN)."""
+    from kvserve.outputs import TokenLogprob
+    from kvserve.server.protocol import chat_logprobs, completion_logprobs
+
+    logprobs = [None, TokenLogprob(5, float("nan"), {5: float("nan"), 6: -float("inf")}), TokenLogprob(6, -0.5, {6: -0.5})]
+    shown = [completion_logprobs(logprobs, [4, 5, 6], str, lambda t: b"x", 0), chat_logprobs(logprobs[1:], str, lambda t: b"x")]
+    text = json.dumps(shown, allow_nan=False)  # raises on NaN or infinity
+    assert shown[0]["token_logprobs"] == [None, -9999.0, -0.5] and shown[0]["top_logprobs"][1] == {"5": -9999.0, "6": -9999.0}
+    assert [c["logprob"] for c in shown[1]["content"]] == [-9999.0, -0.5] and "-9999.0" in text
+
+
 def test_32_concurrent_streams_equal_alone(server):
     prompts = [f"Count from {i} to {i + 5}:" for i in range(32)]
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import codecs
+import math
 import time
 import uuid
 from typing import Literal
@@ -172,10 +173,16 @@ def _speculative(outputs: list[RequestOutput]) -> dict:
     return {"speculative": {"draft_tokens": proposed, "accepted_tokens": accepted, "acceptance_rate": accepted / proposed}}
 
 
+def _finite(logprob: float) -> float:
+    """JSON has no NaN or -inf (a model whose logits overflow): the server's answer was a 500, its stream invalid
+    JSON. -9999.0 is vLLM's floor for -inf."""
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
 def chat_logprobs(logprobs: list[TokenLogprob], decode, raw) -> dict:
     """`decode` gives a token's text for logprobs, `raw` its own bytes (part of a character, maybe)."""
     def entry(token_id: int, logprob: float) -> dict:
-        return {"token": decode(token_id), "logprob": logprob, "bytes": list(raw(token_id))}
+        return {"token": decode(token_id), "logprob": _finite(logprob), "bytes": list(raw(token_id))}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top.items()]}
                         for lp in logprobs]}
@@ -188,8 +195,8 @@ def completion_logprobs(logprobs: list[TokenLogprob | None], token_ids: list[int
     for t in token_ids:
         offsets.append(chars)
         chars += len(utf8.decode(raw(t)))
-    return {"tokens": [decode(t) for t in token_ids], "token_logprobs": [lp and lp.logprob for lp in logprobs],
-            "top_logprobs": [lp and {decode(t): v for t, v in lp.top.items()} for lp in logprobs], "text_offset": offsets}
+    return {"tokens": [decode(t) for t in token_ids], "token_logprobs": [lp and _finite(lp.logprob) for lp in logprobs],
+            "top_logprobs": [lp and {decode(t): _finite(v) for t, v in lp.top.items()} for lp in logprobs], "text_offset": offsets}
 
 
 def envelope(kind: str, request_id: str, model: str, choices: list[dict], created: int | None = None, **extra) -> dict:
