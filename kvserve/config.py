@@ -293,6 +293,14 @@ class EngineConfig:
             raise KVServeError(f"kv_cache_memory must be a positive size or a share of free memory in (0%, 100%], "
                                f"got {self.kv_cache_memory!r}")
 
+    @staticmethod
+    def check_names(names) -> None:
+        """Each name an engine option: LLM(bogus=1) was Python's TypeError, which named no choices."""
+        known = [f.name for f in fields(EngineConfig) if f.name != "model"]
+        for name in names:
+            if name not in known:
+                raise KVServeError(f"unknown engine option {name!r}; choose from {', '.join(known)}")
+
     @property
     def torch_device(self) -> torch.device:
         import torch  # here, not at the top: `kvserve serve`'s HTTP process reads settings without torch

@@ -64,6 +64,14 @@ def test_bad_token_ids_and_empty_prompt(tiny_model_dir):
         llm.generate([[5, 6]], {"max_tokens": 2}, use_tqdm=False)
     with pytest.raises(KVServeError, match="0 sampling params for 1 prompts"):  # it ran on the defaults
         llm.generate([[5, 6]], [], use_tqdm=False)
+    with pytest.raises(KVServeError, match="unknown engine option 'bogus'; choose from dtype, device"):  # Python's TypeError
+        LLM(str(tiny_model_dir), bogus=1)
+
+
+def test_add_special_tokens_must_be_a_bool(smollm2):
+    """'no' reached the tokenizer, whose TypeError named neither the option nor the value."""
+    with pytest.raises(KVServeError, match="add_special_tokens must be True or False, got 'no'"):
+        smollm2.generate(["hi"], greedy(2), use_tqdm=False, add_special_tokens="no")
 
 
 def test_a_lone_surrogate_in_text_names_where_it_is(smollm2):

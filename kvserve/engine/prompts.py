@@ -29,6 +29,8 @@ class PromptEncoder:
             return list(prompt)
         if self.tokenizer is None:
             raise KVServeError(f"{self.model} has no tokenizer; pass prompts as lists of token ids")
+        if not isinstance(add_special_tokens, bool):  # the tokenizer's TypeError named neither
+            raise KVServeError(f"add_special_tokens must be True or False, got {add_special_tokens!r}")
         check_text(prompt, "the prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 

@@ -17,6 +17,7 @@ Message = dict[str, str]
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", **engine_options):
+        EngineConfig.check_names(engine_options)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
 

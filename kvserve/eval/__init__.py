@@ -62,8 +62,7 @@ def parse_options(text: str) -> dict:
             continue
         if not sep or not name:
             raise KVServeError(f"option {item!r} is not name=value")
-        if name not in fields:
-            raise KVServeError(f"unknown engine option {name!r}; choose from {', '.join(fields)}")
+        EngineConfig.check_names([name])
         options[name], last = _typed(name, value, str(fields[name].type)), name
     return options
 
