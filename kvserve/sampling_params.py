@@ -66,7 +66,7 @@ class SamplingParams:
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
              f"stop must be a non-empty string or a list of them, got {self.stop!r}"),
-            (isinstance(self.stop_token_ids, (list, tuple)) and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            (isinstance(self.stop_token_ids, (list, tuple)) and all(type(t) is int and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}"),
             (self.cache_salt is None or isinstance(self.cache_salt, str), f"cache_salt must be a string, got {self.cache_salt!r}"),
             # completion i seeds its generator with seed + i, which torch takes as a 64-bit integer

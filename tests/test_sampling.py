@@ -110,7 +110,7 @@ def test_logprobs_are_reported(smollm2):
                                  dict(seed=2**64), dict(seed=1.5), dict(logit_bias={1: 101.0}), dict(logit_bias={-1: 1.0}),
                                  dict(logit_bias={1: float("nan")}), dict(max_tokens=2.5), dict(n=2.0), dict(top_k=True), dict(min_p=1.5), dict(min_tokens=20),
                                  dict(temperature="0.5"), dict(logprobs=1.0), dict(stop=5), dict(stop_token_ids=3),  # were TypeErrors
-                                 dict(cache_salt=5)])
+                                 dict(cache_salt=5), dict(stop_token_ids=[True])])  # True was token 1
 def test_invalid_sampling_values(bad):
     field = next(iter(bad))
     with pytest.raises(KVServeError, match=field):
