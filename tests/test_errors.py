@@ -122,6 +122,14 @@ def test_chat_asks_again_for_a_typed_line_that_is_not_utf8(monkeypatch, capsys):
     assert "that line is not UTF-8 text; type it again" in capsys.readouterr().err
 
 
+def test_chat_does_not_send_a_mistyped_command(monkeypatch, capsys):
+    """/cler went to the model as a message; a line with more than one word starting with / still goes."""
+    lines = iter(["/cler", "/usr/bin is where?", "/clear", "/exit", "never read"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    assert list(cli._read_turns()) == ["/usr/bin is where?", "/clear"]
+    assert "unknown command /cler; /clear starts a new conversation, /exit quits" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("option,message", [(dict(block_size=0), "block_size"), (dict(dtype="int3"), "dtype"),
                                             (dict(kv_cache_memory="lots"), "invalid size"),
                                             (dict(preemption_mode="drop"), "preemption_mode"), (dict(seed=2**64), "seed"),

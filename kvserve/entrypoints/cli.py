@@ -198,7 +198,9 @@ def _read_turns():
             continue
         if text in ("/exit", "/quit"):
             return
-        if text:
+        if re.fullmatch(r"/\w+", text) and text not in ("/clear", "/reset"):  # a typo went to the model as a message
+            print(f"kvserve: unknown command {text}; /clear starts a new conversation, /exit quits", file=sys.stderr)
+        elif text:
             yield text
 
 
