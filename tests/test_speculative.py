@@ -703,6 +703,20 @@ def test_server_reports_speculation_in_usage_and_metrics():
 
 # --- kvserve distill --------------------------------------------------------------------------------------------------
 
+def test_distill_stops_when_training_diverges(tmp_path):
+    """At a learning rate of 1e30 the loss became NaN, and the NaN draft was saved and its acceptance measured."""
+    from tests.conftest import save_tiny_llama
+
+    from kvserve.spec_decode.distill import DistillSettings, distill
+
+    save_tiny_llama(tmp_path / "target", num_hidden_layers=2)
+    settings = DistillSettings(model=str(tmp_path / "target"), out=str(tmp_path / "draft"), layers=1, steps=5, batch=2, seq_len=16,
+                               lr=1e30, eval_windows=1, acceptance_prompts=1)
+    with pytest.raises(KVServeError, match=r"the loss became nan at step \d: training diverged \(lower --lr, now 1e\+30\)"):
+        distill(settings, token_ids=list(range(200)) * 3, progress=False)
+    assert not (tmp_path / "draft" / "model.safetensors").exists()
+
+
 def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
     from tests.conftest import save_tiny_llama
 

@@ -244,16 +244,20 @@ def train_steps(params: list[torch.Tensor], loss_fn, settings: DistillSettings, 
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / settings.steps)))
     losses = []
-    bar = tqdm(range(settings.steps), desc="distill", unit="step", disable=not progress)
-    for _ in bar:
-        loss = loss_fn()
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        bar.set_postfix_str(f"loss {losses[-1]:.3f}")
+    with tqdm(range(settings.steps), desc="distill", unit="step", disable=not progress) as bar:
+        for step in bar:
+            loss = loss_fn()
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            bar.set_postfix_str(f"loss {losses[-1]:.3f}")
+            if not math.isfinite(losses[-1]):  # a diverged draft was saved, and its acceptance measured, as any other
+                raise KVServeError(f"the loss became {losses[-1]} at step {step + 1}: training diverged (lower --lr, now {settings.lr})")
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        raise KVServeError(f"the draft's weights are no longer finite: training diverged (lower --lr, now {settings.lr})")
     return losses
 
 
