@@ -111,6 +111,18 @@ def test_stop_strings(server, client):
     assert by_token.choices[0].finish_reason == "stop" and by_token.choices[0].stop_reason in ids  # the token id
 
 
+def test_chat_content_as_text_parts(client):
+    """OpenAI's list of parts: text parts are joined (the engine's PromptEncoder does it for the server and the API
+    alike); an image part is refused."""
+    parts = [{"type": "text", "text": "Say "}, {"type": "text", "text": "yes."}]
+    answers = [client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": c}], temperature=0,
+                                              max_tokens=4).choices[0].message.content for c in (parts, "Say yes.")]
+    assert answers[0] == answers[1]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="test-model", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+
+
 def test_logprobs(client):
     out = chat(client, "Say yes.", temperature=0, max_tokens=4, logprobs=True, top_logprobs=2)
     content = out.choices[0].logprobs.content
