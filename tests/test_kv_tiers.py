@@ -39,6 +39,9 @@ def test_disk_store_survives_a_restart_and_a_file_removed_behind_its_back(tmp_pa
     (tmp_path / "01.kvblock").unlink()
     assert again.get(b"\x01") is None and b"\x01" not in again and again.nbytes == 16
     assert DiskStore(str(tmp_path), 8).nbytes == 8  # a smaller size at start drops the oldest files
+    (tmp_path / "05.partial").write_bytes(b"\x05" * 3)  # a crash mid-write left it
+    DiskStore(str(tmp_path), 8)
+    assert not (tmp_path / "05.partial").exists()
 
 
 def test_tiers_check_tokens_and_size_and_copy_into_faster_tiers(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 from kvserve.errors import KVServeError
 from kvserve.kv.tiers.lru import LRUStore
 
-SUFFIX = ".kvblock"
+SUFFIX, PARTIAL = ".kvblock", ".partial"
 
 
 class DiskStore(LRUStore):
@@ -18,6 +18,8 @@ class DiskStore(LRUStore):
         self.name = f"disk {self.directory}"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            for partial in self.directory.glob("*" + PARTIAL):  # half a write a crash left behind: never read, never freed
+                partial.unlink(missing_ok=True)
             found = sorted((entry.stat().st_atime_ns, entry.name, entry.stat().st_size) for entry in os.scandir(self.directory)
                            if entry.name.endswith(SUFFIX) and entry.is_file())
         except OSError as e:
@@ -41,7 +43,7 @@ class DiskStore(LRUStore):
 
     def _store(self, key: bytes, entry: bytes) -> bool:
         path = self._path(key)
-        partial = path.with_suffix(".partial")
+        partial = path.with_suffix(PARTIAL)
         try:
             partial.write_bytes(entry)
             partial.replace(path)  # a reader never sees half a block
