@@ -62,6 +62,10 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
 
 
+# What the gguf package raises on a damaged or foreign file (KVServeError, a ValueError, passes through _unreadable)
+_GGUF_ERRORS = (ValueError, KeyError, IndexError, struct.error)
+
+
 def converted_dir(gguf_path: Path) -> Path:
     """The cached conversion of `gguf_path`, made on first use; keyed by the file's SHA-256."""
     target = cache_root() / f"{_file_digest(gguf_path)}-v{CONVERTER_VERSION}"
@@ -70,11 +74,10 @@ def converted_dir(gguf_path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent))
     try:
-        try:
-            _convert(gguf_path, staging)
-        except (ValueError, KeyError, IndexError, struct.error) as e:
-            raise _unreadable(gguf_path, e) from e
+        _convert(gguf_path, staging)
         os.replace(staging, target)
+    except _GGUF_ERRORS as e:
+        raise _unreadable(gguf_path, e) from e
     except OSError:
         if not (target / "config.json").is_file():  # not a concurrent conversion that won the race
             raise
@@ -112,12 +115,12 @@ def read_gguf(path: Path):
     with fast_gguf():
         try:
             return gguf.GGUFReader(path)
-        except (ValueError, KeyError, IndexError, struct.error) as e:
+        except _GGUF_ERRORS as e:
             raise _unreadable(path, e) from e
 
 
 def _unreadable(path: Path, error: Exception) -> KVServeError:
-    """What a damaged or foreign file makes the gguf package raise (ValueError, struct.error, ...), said as ours."""
+    """One of _GGUF_ERRORS said as ours."""
     return error if isinstance(error, KVServeError) else KVServeError(f"cannot read GGUF file {path}: {error}")
 
 
@@ -225,7 +228,7 @@ def _hf_config(reader) -> dict:
         "num_hidden_layers": _field(reader, p + "block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": _field(reader, p + "attention.head_count_kv", heads),
-        "head_dim": _field(reader, p + "attention.key_length", hidden // heads if heads else None),  # 0: ModelConfig says
+        "head_dim": _field(reader, p + "attention.key_length", hidden // heads if heads else None),  # 0 heads: named by check_hf_sizes
         "rms_norm_eps": _field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": _field(reader, p + "rope.freq_base", 10000.0),
         "max_position_embeddings": _field(reader, p + "context_length", 2048),
