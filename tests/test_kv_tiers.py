@@ -2,7 +2,9 @@
 pool evicted them and after a restart, and never leave a block listed whose values were not loaded."""
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 
 import pytest
 import torch
@@ -39,9 +41,22 @@ def test_disk_store_survives_a_restart_and_a_file_removed_behind_its_back(tmp_pa
     (tmp_path / "01.kvblock").unlink()
     assert again.get(b"\x01") is None and b"\x01" not in again and again.nbytes == 16
     assert DiskStore(str(tmp_path), 8).nbytes == 8  # a smaller size at start drops the oldest files
-    (tmp_path / "05.partial").write_bytes(b"\x05" * 3)  # a crash mid-write left it
-    DiskStore(str(tmp_path), 8)
-    assert not (tmp_path / "05.partial").exists()
+
+
+def test_a_disk_store_removes_only_the_partial_files_no_live_process_is_writing(tmp_path):
+    writer = subprocess.Popen(["sleep", "60"])  # another engine on this directory, mid-write
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    names = ["05.partial", f"06.{gone.pid}.partial", f"07.{os.getpid()}.partial", f"08.{writer.pid}.partial"]
+    try:
+        for name in names:
+            (tmp_path / name).write_bytes(b"\x05" * 3)  # a crash mid-write left it, or a live writer is at it
+        store = DiskStore(str(tmp_path), 8)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [names[3]] and len(store) == 0
+        store.put(b"\x09", b"\x09" * 8)  # its own partial name, then the block's
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["09.kvblock", names[3]])
+    finally:
+        writer.kill()
 
 
 def test_tiers_check_tokens_and_size_and_copy_into_faster_tiers(tmp_path):
@@ -191,7 +206,6 @@ def redis_url(tmp_path):
     """A redis-server of our own on a free port (`make test` installs Debian's redis-server)."""
     import shutil
     import socket
-    import subprocess
     import time
 
     import redis

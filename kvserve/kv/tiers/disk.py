@@ -19,7 +19,8 @@ class DiskStore(LRUStore):
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             for partial in self.directory.glob("*" + PARTIAL):  # half a write a crash left behind: never read, never freed
-                partial.unlink(missing_ok=True)
+                if not _writer_alive(partial):
+                    partial.unlink(missing_ok=True)
             found = sorted((entry.stat().st_atime_ns, entry.name, entry.stat().st_size) for entry in os.scandir(self.directory)
                            if entry.name.endswith(SUFFIX) and entry.is_file())
         except OSError as e:
@@ -43,7 +44,7 @@ class DiskStore(LRUStore):
 
     def _store(self, key: bytes, entry: bytes) -> bool:
         path = self._path(key)
-        partial = path.with_suffix(PARTIAL)
+        partial = path.with_suffix(f".{os.getpid()}{PARTIAL}")  # each writer its own: engines may share a directory
         try:
             partial.write_bytes(entry)
             partial.replace(path)  # a reader never sees half a block
@@ -57,3 +58,17 @@ class DiskStore(LRUStore):
 
     def _path(self, key: bytes) -> Path:
         return self.directory / (key.hex() + SUFFIX)
+
+
+def _writer_alive(partial: Path) -> bool:
+    """Whether the process named in a `KEY.PID.partial` may still be writing it (another engine on this directory)."""
+    _, dot, pid = partial.name.removesuffix(PARTIAL).rpartition(".")
+    if not dot or not pid.isdigit() or not 0 < int(pid) < 2**31 or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, but another user's
+        pass
+    return True
