@@ -286,6 +286,9 @@ class EngineConfig:
             parse_speculative(self.speculative)
             if self.scheduler == "static":
                 raise KVServeError("speculative decoding needs the continuous scheduler")
+        if self.batch_invariant and "kivi2" in self.kv_dtypes:
+            raise KVServeError("batch_invariant cannot run with a kivi2 cache: it packs a request's older tokens to 2 bits between "
+                               "steps, so what a prompt's later tokens attend to depends on how the prompt is chunked")
         if self.scheduler == "static" and "kivi2" in self.kv_dtypes:
             raise KVServeError("the static baseline reserves whole requests up front and has no kivi2 residual; use the continuous scheduler")
         share = memory_share(self.kv_cache_memory)

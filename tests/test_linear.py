@@ -228,11 +228,13 @@ def test_prompt_chunks_compute_the_same_however_they_are_chunked(no_amx):
         assert torch.equal(chunked_logits(llm, prompt, chunk), whole), chunk
 
 
-def test_batch_invariant_needs_the_stacked_int8_kernels_and_no_kv_policy(no_amx, monkeypatch):
+def test_batch_invariant_needs_the_stacked_int8_kernels_no_kv_policy_and_no_kivi2(no_amx, monkeypatch):
     with pytest.raises(KVServeError, match="batch_invariant needs a GGUF model's layers stacked on the native CPU kernels"):
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, **FP32)
     with pytest.raises(KVServeError, match="kv_policy h2o cannot run with batch_invariant"):
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, kv_policy="h2o:budget=0.5")
+    with pytest.raises(KVServeError, match="batch_invariant cannot run with a kivi2 cache"):  # its tokens were packed per step
+        LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, cache_type_k="kivi2")
     monkeypatch.setattr(cpu_native, "cpu_has_amx", lambda: True)  # the kernels' bf16 tiles from 32 rows
     with pytest.raises(KVServeError, match="batch_invariant needs"):
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True)
