@@ -204,6 +204,14 @@ def test_cli_json_table_and_plot(tmp_path, capsys):
     assert cli.main(["memory", "mistral-7b", "--device", "tpu"]) == 2
 
 
+@pytest.mark.parametrize("args,message", [(["--memory", "0"], "memory must be > 0, got 0"),  # was the device's memory
+                                          (["--kv-dtype", "int8/"], "unknown KV dtype ''"),  # was int8 for both
+                                          (["--flops", "inf"], "finite FLOP/s"), (["--bandwidth", "nan"], "finite FLOP/s")])
+def test_cli_memory_refuses_values_it_used_to_replace_or_take(capsys, args, message):
+    assert cli.main(["memory", "mistral-7b", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_planner_matches_what_the_engine_allocates_for_smollm2(smollm2):
     cache = smollm2.engine.runner.kv_cache
     allocated_per_token = cache.nbytes / (cache.num_blocks * cache.block_size)

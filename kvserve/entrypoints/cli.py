@@ -316,8 +316,8 @@ def cmd_memory(args: argparse.Namespace) -> None:
     spec = load_spec(args.model)
     request = PlanRequest(
         dtypes=args.kv_dtype or PlanRequest().dtypes, contexts=args.contexts, batches=args.batch,
-        memory=parse_size(args.memory) if args.memory else None, num_devices=args.num_devices,
-        weight_bytes=parse_size(args.weight_bytes) if args.weight_bytes else None, weight_bits=args.weight_bits,
+        memory=None if args.memory is None else parse_size(args.memory), num_devices=args.num_devices,
+        weight_bytes=None if args.weight_bytes is None else parse_size(args.weight_bytes), weight_bits=args.weight_bits,
         utilization=args.utilization, policies=args.kv_policy or [],
     )
     report = plan(spec, device, request)

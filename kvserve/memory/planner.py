@@ -38,8 +38,9 @@ DEVICES = {
 def kv_layout(spec: ModelSpec, dtype: str = "bf16", block_size: int = PLANNER_BLOCK_SIZE, merge: MiniCache | None = None) -> KVLayout:
     """The engine's layout for `spec` with KV dtype `dtype`: one name for K and V, or "K/V" (e.g. "int8/int4");
     `merge`: MiniCache's merged layer pairs."""
-    k, _, v = dtype.partition("/")
-    k, v = ALIASES.get(k, k), ALIASES.get(v or k, v or k)
+    k, slash, v = dtype.partition("/")
+    v = v if slash else k  # "int8/" names no V
+    k, v = ALIASES.get(k, k), ALIASES.get(v, v)
     for name in (k, v):
         if name not in FORMATS:
             raise KVServeError(f"unknown KV dtype {name!r}; choose from {', '.join([*ALIASES, *FORMATS])} or K/V pairs")

@@ -1,6 +1,7 @@
 """The planner's answer for one model: a dict (for --json), a rich table, and a plot."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from kvserve.errors import KVServeError
@@ -29,7 +30,9 @@ class PlanRequest:
 def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
     checks = [(req.num_devices >= 1, f"num_devices must be >= 1, got {req.num_devices}"),
               (1 <= req.weight_bits <= 32, f"weight_bits must be in 1..32, got {req.weight_bits}"),
-              (device.flops > 0 and device.bandwidth > 0, f"a device needs FLOP/s and bandwidth > 0, got {device.flops:g} and {device.bandwidth:g}")]
+              (req.memory is None or req.memory > 0, f"memory must be > 0, got {req.memory}"),
+              (0 < device.flops < math.inf and 0 < device.bandwidth < math.inf,
+               f"a device needs finite FLOP/s and bandwidth > 0, got {device.flops:g} and {device.bandwidth:g}")]
     for ok, message in checks:
         if not ok:
             raise KVServeError(message)
@@ -42,7 +45,7 @@ def plan(spec: ModelSpec, device: Device, req: PlanRequest) -> dict:
                 raise  # an unknown dtype, or nothing left to plan
             unsupported[name] = str(e)
     req = replace(req, dtypes=[n for n in req.dtypes if n not in unsupported])
-    memory = req.memory or device.memory * req.num_devices
+    memory = device.memory * req.num_devices if req.memory is None else req.memory
     if req.num_devices > 1:  # tensor parallel: the roofline sees the devices' summed FLOP/s and bandwidth
         device = Device(f"{req.num_devices} x {device.name}", device.memory * req.num_devices,
                         device.flops * req.num_devices, device.bandwidth * req.num_devices)
