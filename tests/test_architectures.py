@@ -98,6 +98,13 @@ def test_unsupported_architecture_is_one_clear_error(tmp_path):
         LLM(str(tmp_path))
 
 
+def test_gemma3_in_float16_is_refused(tmp_path):
+    """Gemma 3 270M in float16 overflowed to NaN logits (an empty answer) where bf16 and fp32 answered; vLLM refuses it too."""
+    save_tiny(tmp_path, "gemma3_text", **GEMMA)
+    with pytest.raises(KVServeError, match="model type gemma3_text does not run in float16: .* use dtype bfloat16 or float32"):
+        LLM(str(tmp_path), dtype="float16")
+    assert LLM(str(tmp_path), dtype="bfloat16", num_blocks=16).generate([[1, 2]], use_tqdm=False)[0].outputs[0].token_ids
+
 
 def test_mla_caches_the_latent_only_as_the_planner_says(tmp_path):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM

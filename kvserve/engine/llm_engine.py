@@ -22,6 +22,7 @@ from kvserve.kv.spec import build_layout
 from kvserve.kv.tiers import Tiers
 from kvserve.memory import spec_from_hf_config
 from kvserve.models.loader import open_checkpoint, weights_digest
+from kvserve.models.registry import FLOAT16_OVERFLOWS
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode import depths
@@ -46,6 +47,9 @@ class LLMEngine:
         self.tokenizer = serial(self.checkpoint.tokenizer)
         self.prompts = PromptEncoder(self.tokenizer, config.model)
         model_config = self.checkpoint.config
+        if config.dtype == "float16" and model_config.model_type in FLOAT16_OVERFLOWS:
+            raise KVServeError(f"model type {model_config.model_type} does not run in float16: its activations overflow "
+                               "float16's range; use dtype bfloat16 or float32")
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if self.max_model_len > model_config.max_position_embeddings:
             raise KVServeError(f"max_model_len {self.max_model_len} exceeds the model's context window "
