@@ -174,7 +174,7 @@ def test_bad_engine_settings(tiny_model_dir, option, message):
     (["distill", "--lr", "-1"], "--lr must be > 0, got -1.0"),
     (["distill", "--answers", "8", "--prompts", "web"], "--prompts must be one of builtin, self, got 'web'"),
     (["memory", "smollm2-135m", "--num-devices", "0"], "num_devices must be >= 1, got 0"),  # was planned
-    (["memory", "smollm2-135m", "--bandwidth", "0"], "a device needs FLOP/s and bandwidth > 0, got 9.89e+14 and 0"),  # was the H100's
+    (["memory", "smollm2-135m", "--bandwidth", "0"], "a device needs finite FLOP/s and bandwidth > 0, got 9.89e+14 and 0"),  # was the H100's
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
     """One error line, no traceback (an error found after loading follows the startup line)."""
