@@ -7,7 +7,8 @@ from numbers import Integral, Real
 from kvserve.errors import KVServeError
 
 
-INTEGERS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")  # the logprobs may be None
+INTEGERS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+OPTIONAL = ("max_tokens", "logprobs", "prompt_logprobs")  # None too
 NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (SamplingParams.greedy)
 
@@ -22,7 +23,7 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0  # vLLM's: drops tokens less likely than min_p times the likeliest one (0: none)
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the request's limit (the context window or the KV pool), as in vLLM
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the output before this many tokens
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -47,7 +48,7 @@ class SamplingParams:
         for names, kind, what in ((INTEGERS, Integral, "an integer"), (NUMBERS, Real, "a number")):
             for name in names:
                 value = getattr(self, name)
-                if (value is not None or not name.endswith("logprobs")) and (isinstance(value, bool) or not isinstance(value, kind)):
+                if (value is not None or name not in OPTIONAL) and (isinstance(value, bool) or not isinstance(value, kind)):
                     raise KVServeError(f"{name} must be {what}, got {value!r}")
         checks = [
             (1 <= self.n <= 64, f"n must be in [1, 64], got {self.n}"),
@@ -55,9 +56,10 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or >= 1, got {self.top_k}"),
-            (self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+            (self.max_tokens is None or self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
              f"max_tokens must be >= 1 (or 0 to only score the prompt with prompt_logprobs), got {self.max_tokens}"),
-            (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
+            (0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens),
+             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),

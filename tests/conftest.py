@@ -100,7 +100,7 @@ def hf_smollm2():
     return transformers_model(resolve_model_path("smollm2-135m")).eval()
 
 
-def greedy(max_tokens: int, **kw):
+def greedy(max_tokens: int | None, **kw):
     from kvserve import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)

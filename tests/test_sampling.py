@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve import KVServeError, SamplingParams
+from kvserve import LLM, KVServeError, SamplingParams
 from tests.conftest import greedy
 
 PROMPT = "Once upon a time"
@@ -40,6 +40,18 @@ def test_logit_bias_bans_and_forces_tokens(smollm2):
 def test_max_tokens_and_length_reason(smollm2):
     out = smollm2.generate(PROMPT, greedy(5), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+
+
+def test_no_max_tokens_runs_to_the_requests_limit(tiny_model_dir):
+    """vLLM's max_tokens=None: up to the context window (it was an error); min_tokens past that room is refused before
+    any prompt of the call is queued."""
+    llm = LLM(str(tiny_model_dir), max_model_len=40, num_blocks=16)
+    outs = llm.generate([[1, 2, 3], list(range(1, 31))], greedy(None, n=2), use_tqdm=False)
+    assert [[len(c.token_ids) for c in o.outputs] for o in outs] == [[37, 37], [10, 10]]
+    assert all(c.finish_reason == "length" for o in outs for c in o.outputs)
+    with pytest.raises(KVServeError, match="min_tokens 20 is more than max_tokens .none given: the 10 tokens left"):
+        llm.generate([[1, 2], list(range(1, 31))], greedy(None, min_tokens=20), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_stop_string_cuts_text(smollm2):

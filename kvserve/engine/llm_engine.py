@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -138,6 +138,8 @@ class LLMEngine:
         """Queue a request; `prompt_text` names the text of a prompt passed already tokenized."""
         token_ids = self.tokenize(prompt, add_special_tokens)
         policy = self.check_request(token_ids, params)
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self._room(token_ids))
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise KVServeError(f"request id {request_id!r} is already in use")
@@ -172,21 +174,29 @@ class LLMEngine:
             raise KVServeError(f"prompt token ids must be ints in [0, {vocab}); token {bad} is {value!r:.40} ({type(value).__name__})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise KVServeError(f"logit_bias names token {max(params.logit_bias)}, past the vocabulary ({vocab} tokens)")
-        if len(token_ids) >= limit + (params.max_tokens == 0):  # a scored prompt may fill the limit
+        max_tokens = self._room(token_ids) if params.max_tokens is None else params.max_tokens
+        if len(token_ids) >= limit + (max_tokens == 0):  # a scored prompt may fill the limit
             raise KVServeError(f"the prompt has {len(token_ids)} tokens, but this engine holds at most {limit} tokens "
                                f"per request (max_model_len {self.max_model_len}, KV pool {self.kv_manager.num_blocks} "
                                f"blocks of {self.config.block_size})")
-        if len(token_ids) + params.max_tokens > limit:
-            raise KVServeError(f"max_tokens {params.max_tokens} is too large: the prompt's {len(token_ids)} tokens plus "
-                               f"{params.max_tokens} new ones exceed the limit of {limit} tokens per request")
+        if params.min_tokens > max_tokens:
+            raise KVServeError(f"min_tokens {params.min_tokens} is more than max_tokens (none given: the {max_tokens} tokens "
+                               f"left to this request)")
+        if len(token_ids) + max_tokens > limit:
+            raise KVServeError(f"max_tokens {max_tokens} is too large: the prompt's {len(token_ids)} tokens plus "
+                               f"{max_tokens} new ones exceed the limit of {limit} tokens per request")
         if policy is not None:  # a policy's request may be longer than the pool holds, but not what it keeps at once
             chunk, bs = self.config.max_num_batched_tokens, self.config.block_size
-            peak = policy.max_slots(len(token_ids) + params.max_tokens, chunk, bs)
+            peak = policy.max_slots(len(token_ids) + max_tokens, chunk, bs)
             if self.kv_manager.blocks_for(peak) > self.kv_manager.num_blocks:
                 raise KVServeError(f"kv_policy {policy}: this request holds up to {peak} tokens at once (what it keeps, a "
                                    f"block and a step's {chunk} tokens), more than the KV pool's {self.kv_manager.num_blocks} "
                                    f"blocks of {bs} tokens")
         return policy
+
+    def _room(self, token_ids: list[int]) -> int:
+        """max_tokens=None: up to the context window or what the pool holds (a policy that could go on stops there too)."""
+        return max(1, self.max_request_tokens - len(token_ids))
 
     def observe_features(self, callback: Callable[[list[Sequence], torch.Tensor, list[int]], None],
                          wanted: Callable[[], bool] | None = None) -> Callable[[], None]:

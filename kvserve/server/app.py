@@ -149,10 +149,8 @@ class Server:
         if len(prompts) * req.n > self.async_engine.max_waiting:  # could never fit, however idle the server: not a 503
             raise APIError(400, f"one request may carry at most {self.async_engine.max_waiting} prompts x n; this one has "
                                 f"{len(prompts)} prompt(s) x n={req.n} = {len(prompts) * req.n}")
-        request_id, limit, jobs = new_id(prefix), self.facts.max_request_tokens, []
-        for k, ids in enumerate(prompts):  # no max_tokens: up to the context window (also under a policy that could go past it)
-            tokens = max_tokens if max_tokens is not None else max(1, limit - len(ids))
-            jobs.append((f"{request_id}-{k}", ids, req.sampling_params(tokens, logprobs, prompt_logprobs)))
+        request_id = new_id(prefix)  # no max_tokens: the engine's None, up to the request's limit
+        jobs = [(f"{request_id}-{k}", ids, req.sampling_params(max_tokens, logprobs, prompt_logprobs)) for k, ids in enumerate(prompts)]
         return request_id, await self.async_engine.add(jobs)
 
     async def complete(self, req: CompletionRequest):

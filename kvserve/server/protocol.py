@@ -50,7 +50,7 @@ class SamplingRequest(BaseModel):
     cache_salt: str | None = None
     kv_policy: str | None = None  # kvserve's own, like vLLM's extra fields: this request's KV eviction policy
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Completion i of n samples with seed + i, so n > 1 with a seed gives n different but reproducible answers."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
