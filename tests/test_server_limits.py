@@ -29,7 +29,8 @@ def secured(secured_app):
     return secured_app[0]
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}])
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, {"Authorization": "Bearer s3cre"},
+                                     {"Authorization": "Bearer s3cret2"}, {"Authorization": ""}])
 def test_missing_or_wrong_api_key(secured, headers):
     r = httpx.post(f"{secured}/v1/completions", json=BODY, headers=headers)
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]

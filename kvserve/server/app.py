@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -102,15 +104,20 @@ class RequireAPIKey:
     pass every streamed chunk through an extra memory stream."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, _digest(f"Bearer {api_key}".encode())
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
-            if dict(scope["headers"]).get(b"authorization") != self.expected:
+            # compared in constant time, as digests: how long a wrong key took must not say how much of it was right
+            if not hmac.compare_digest(_digest(dict(scope["headers"]).get(b"authorization", b"")), self.expected):
                 response = error_response(401, "missing or wrong API key: send Authorization: Bearer <key>",
                                           "authentication_error", "invalid_api_key")
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
 
 
 class Server:
