@@ -243,6 +243,21 @@ def test_cli_chat_clear_starts_a_new_conversation(capsys):
     assert int(again.group(3)) >= int(first.group(1)) // 16 * 16  # every full block of it was cached
 
 
+def test_cli_chat_drops_the_oldest_exchanges_past_the_limit(capsys):
+    """A conversation that outgrows the context loses its oldest exchanges, and a message too long even alone is
+    refused with the session going on (before, the engine's error ended the chat)."""
+    turns = ["Tell me a story about a cat.", "And one about a dog.", "word " * 300, "And one about a bird."]
+    argv = ["chat", *[arg for text in turns for arg in ("--message", text)], "--max-tokens", "64", "--max-model-len", "200",
+            "--temperature", "0", "--ignore-eos"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    stats = [STATS.search(line) for line in err.splitlines() if "prefilled" in line]
+    assert len(stats) == 3 and "does not fit this engine's 200-token limit even alone" in err
+    assert int(stats[2].group(1)) > 80  # the dog exchange stayed (alone, the last message made a 36-token prompt)
+    assert re.search(r"its [24] oldest messages were dropped", err)
+    assert all(int(s.group(1)) + 64 <= 200 for s in stats)  # every answer had room for all of its tokens
+
+
 def _tiny_gguf(path, heads: int = 4, tokens: bool = True, kind=None) -> None:
     """A one-layer llama GGUF with only a token embedding (in `kind`, a gguf quant type; None: F32)."""
     import gguf

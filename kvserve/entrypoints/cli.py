@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kvserve.config import KV_CACHE_DTYPES, EngineConfig, memory_share
@@ -127,7 +128,7 @@ def _speculation(m) -> str:
     return f" | speculative: {m.num_accepted_tokens}/{m.num_draft_tokens} accepted ({m.acceptance_rate:.0%})"
 
 
-def stream_answer(llm, prompt: str, params: SamplingParams, add_special_tokens: bool) -> RequestOutput:
+def stream_answer(llm, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool) -> RequestOutput:
     for out in llm.stream(prompt, params, add_special_tokens=add_special_tokens):
         print(out.outputs[0].new_text, end="", flush=True)
     print()
@@ -180,10 +181,32 @@ def cmd_chat(args: argparse.Namespace) -> None:
             messages = list(start)
             print("(a new conversation)", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": text})
-        out = stream_answer(llm, llm.apply_chat_template(messages), params, add_special_tokens=False)
+        fitted = fit_conversation(llm, [*messages, {"role": "user", "content": text}], len(start), params)
+        if fitted is None:  # the session goes on: before, the engine's error ended it
+            print(f"kvserve: that message does not fit this engine's {llm.engine.max_request_tokens}-token limit even alone; "
+                  "send a shorter one", file=sys.stderr)
+            continue
+        messages, prompt, turn_params = fitted
+        out = stream_answer(llm, prompt, turn_params, add_special_tokens=False)
         messages.append({"role": "assistant", "content": out.outputs[0].text})
         print(stats_line(out), file=sys.stderr)
+
+
+def fit_conversation(llm, messages: list[dict], kept: int,
+                     params: SamplingParams) -> tuple[list[dict], list[int], SamplingParams] | None:
+    """The conversation, its prompt and the answer's params within the engine's request limit, as Ollama does: the
+    oldest exchanges dropped (the first `kept` messages, a system prompt, stay) until a whole answer fits; with only
+    the newest message left, max_tokens cut to the room left. None if that message alone does not fit."""
+    limit, fitted = llm.engine.request_limit(llm.engine.kv_policy), list(messages)
+    while (len(ids := llm.engine.tokenize(llm.apply_chat_template(fitted), add_special_tokens=False)) + params.max_tokens > limit
+           and len(fitted) > kept + 1):
+        del fitted[kept:kept + 2]  # the oldest question and its answer
+    if len(ids) >= limit:
+        return None
+    if len(fitted) < len(messages):
+        print(f"(the conversation outgrew the {limit}-token limit: its {len(messages) - len(fitted)} oldest messages "
+              "were dropped)", file=sys.stderr)
+    return fitted, ids, replace(params, max_tokens=min(params.max_tokens, limit - len(ids)))
 
 
 def _read_turns():
