@@ -60,6 +60,25 @@ def test_n_completions_stream_and_abort_together(smollm2):
     assert not engine.has_unfinished_requests() and engine.kv_manager.pool.num_used == 0
 
 
+def test_an_interrupted_generate_leaves_no_request_behind(tiny_model_dir, monkeypatch):
+    """Ctrl-C in a notebook mid-generate: its requests held their blocks and ran on in the next call."""
+    llm = LLM(str(tiny_model_dir), num_blocks=32)
+    step, calls = llm.engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(n=2, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv_manager.pool.num_used == 0
+    out = llm.generate([[6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out) == 1 and len(calls) == 3 + 4  # the next call ran its own request's steps alone
+
+
 def test_static_baseline_rejects_n(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), scheduler="static")
     with pytest.raises(KVServeError, match="one completion per request"):

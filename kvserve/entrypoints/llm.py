@@ -47,16 +47,20 @@ class LLM:
             self.engine.check_request(ids, p)
         ids = [self.engine.add_request(t, p, prompt_text=text) for (t, text), p in zip(parsed, each)]
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
-            prefill = decode = seconds = 0.0
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
-                step = self.engine.last_step
-                prefill, decode, seconds = prefill + step.prefill_tokens, decode + step.decode_tokens, seconds + step.seconds
-                bar.set_postfix_str(f"prefill {prefill / max(seconds, 1e-9):.0f} tok/s, decode {decode / max(seconds, 1e-9):.0f} tok/s", refresh=False)
+        try:
+            with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                prefill = decode = seconds = 0.0
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
+                    step = self.engine.last_step
+                    prefill, decode, seconds = prefill + step.prefill_tokens, decode + step.decode_tokens, seconds + step.seconds
+                    bar.set_postfix_str(f"prefill {prefill / max(seconds, 1e-9):.0f} tok/s, decode {decode / max(seconds, 1e-9):.0f} tok/s", refresh=False)
+        finally:  # interrupted (Ctrl-C in a notebook): the requests left would hold their blocks and run in the next call
+            for request_id in ids:
+                self.engine.abort_request(request_id)
         return [results[i] for i in ids]
 
     def _prompt(self, prompt: Prompt, add_special_tokens: bool) -> tuple[list[int], str | None]:
