@@ -113,13 +113,13 @@ def test_a_restart_finds_the_disk_tier_but_another_model_does_not(tiny_model_dir
     first = _run(_engine(tiny_model_dir, [f"disk:{tmp_path}"]), prompt)
     restarted = _engine(tiny_model_dir, [f"disk:{tmp_path}"])
     again = _run(restarted, prompt)
-    assert again.metrics.cached_tokens == 32 and _same(first, again)
+    assert again.metrics.cached_tokens == 28 and _same(first, again)
     assert _run(_engine(tiny_model_dir_d32, [f"disk:{tmp_path}"]), prompt).metrics.cached_tokens == 0
     assert _run(_engine(tiny_model_dir, [f"disk:{tmp_path}"], dtype="bfloat16"), prompt).metrics.cached_tokens == 0
     # the matmuls as they ran, not as asked: "auto" shares blocks with "bfloat16" where it means bf16 (this CPU?)
     _run(_engine(tiny_model_dir, [f"disk:{tmp_path / 'bf16'}"], matmul_dtype="bfloat16"), prompt)
     auto = _engine(tiny_model_dir, [f"disk:{tmp_path / 'bf16'}"], matmul_dtype="auto")
-    assert _run(auto, prompt).metrics.cached_tokens == (32 if auto.engine.config.bf16_matmuls else 0)
+    assert _run(auto, prompt).metrics.cached_tokens == (28 if auto.engine.config.bf16_matmuls else 0)
 
 
 def test_the_tier_names_the_model_by_its_files_contents(tiny_model_dir, tmp_path):
@@ -133,7 +133,7 @@ def test_the_tier_names_the_model_by_its_files_contents(tiny_model_dir, tmp_path
     first = _run(_engine(tiny_model_dir, tier, matmul_dtype="float32"), prompt)
     copy = shutil.copytree(tiny_model_dir, tmp_path / "copy")
     again = _run(_engine(copy, tier, matmul_dtype="float32"), prompt)
-    assert again.metrics.tier_tokens == 32 and _same(first, again)
+    assert again.metrics.tier_tokens == 28 and _same(first, again)
     weights = load_file(copy / "model.safetensors")
     name = next(n for n in weights if "layers.0.self_attn.k_proj" in n)
     weights[name] = weights[name] * 1.5
@@ -151,7 +151,7 @@ def test_a_tier_serves_no_engine_whose_blocks_mean_something_else(tiny_model_dir
     prompt, tier = list(range(7, 40)), [f"disk:{tmp_path}"]
     merged = dict(kv_policy="minicache:start=0", matmul_dtype="float32")
     _run(_engine(tiny_model_dir, tier, **merged), prompt)
-    assert _run(_engine(tiny_model_dir, tier, **merged), prompt).metrics.tier_tokens == 32
+    assert _run(_engine(tiny_model_dir, tier, **merged), prompt).metrics.tier_tokens == 28
     assert _run(_engine(tiny_model_dir, tier, kv_policy="minicache:start=0,t=0.3", matmul_dtype="float32"), prompt).metrics.cached_tokens == 0
     monkeypatch.setattr(cache, "BLOCK_BYTES_VERSION", cache.BLOCK_BYTES_VERSION + 1)
     monkeypatch.setattr("kvserve.kv.manager.BLOCK_BYTES_VERSION", cache.BLOCK_BYTES_VERSION)
@@ -166,8 +166,8 @@ def test_sliding_window_groups_load_only_the_window(tiny_sliding_dir, tmp_path):
     _flush(llm)
     loaded = llm.engine.scheduler.stats.tier_loaded_blocks
     again = _run(llm, prompt)
-    assert again.metrics.cached_tokens == again.metrics.tier_tokens == 44 and _same(plain, again)
-    assert llm.engine.scheduler.stats.tier_loaded_blocks - loaded == 11 + 2  # the full group's 11 blocks, the sliding one's window
+    assert again.metrics.cached_tokens == again.metrics.tier_tokens == 40 and _same(plain, again)
+    assert llm.engine.scheduler.stats.tier_loaded_blocks - loaded == 10 + 2  # the full group's 10 blocks, the sliding one's window
 
 
 def test_many_requests_on_a_small_pool_with_tiers_equal_the_plain_engine(tiny_model_dir):
@@ -237,7 +237,7 @@ def test_engines_share_a_redis_tier_and_go_on_when_it_is_gone(tiny_model_dir, re
     saver.engine.tiers.stores[0].flush()  # its saves went out on a thread of their own
     other = _engine(tiny_model_dir, ["cpu:1MiB", url])  # another engine (a restart, another process): its RAM tier fills from Redis
     again = _run(other, prompt)
-    assert again.metrics.cached_tokens == 40 and _same(first, again) and len(other.engine.tiers.stores[0]) == 10
+    assert again.metrics.cached_tokens == 36 and _same(first, again) and len(other.engine.tiers.stores[0]) == 9
     assert "keys)" in other.engine.tiers.describe()
     gone = _engine(tiny_model_dir, [url])
     server.terminate()  # the server goes away after the engine started: lookups miss, saves are lost

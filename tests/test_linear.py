@@ -228,6 +228,17 @@ def test_prompt_chunks_compute_the_same_however_they_are_chunked(no_amx):
         assert torch.equal(chunked_logits(llm, prompt, chunk), whole), chunk
 
 
+def test_a_cached_prompt_leaves_two_tokens_to_compute_and_answers_the_same(no_amx):
+    """81 tokens with 80 cached left one token, a decode query with the decode kernel's arithmetic, which int8
+    activations amplified: the first logprob was -0.7886 fresh and -0.8246 cached. Two tokens left run as a prompt
+    chunk, whose rows compute what the whole prompt's did."""
+    llm = LLM("smollm2-135m", num_blocks=64)
+    prompt = llm.engine.tokenize("Once upon a time " * 20)[:81]
+    fresh, again = (llm.generate([prompt], greedy(8, logprobs=1), use_tqdm=False)[0] for _ in range(2))
+    assert [(t.token_id, t.logprob) for t in again.outputs[0].logprobs] == [(t.token_id, t.logprob) for t in fresh.outputs[0].logprobs]
+    assert len(prompt) == 81 and again.metrics.cached_tokens == 64
+
+
 def test_batch_invariant_needs_the_stacked_int8_kernels_no_kv_policy_and_no_kivi2(no_amx, monkeypatch):
     with pytest.raises(KVServeError, match="batch_invariant needs a GGUF model's layers stacked on the native CPU kernels"):
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, **FP32)

@@ -53,7 +53,7 @@ def test_cached_output_matches_uncached(tiny_model_dir):
     cold = llm.generate(prompt, greedy(8), use_tqdm=False)[0]
     warm = llm.generate(prompt, greedy(8), use_tqdm=False)[0]
     plain = LLM(str(tiny_model_dir), enable_prefix_caching=False).generate(prompt, greedy(8), use_tqdm=False)[0]
-    assert warm.metrics.cached_tokens == 36 and cold.outputs[0].token_ids == warm.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert warm.metrics.cached_tokens == 32 and cold.outputs[0].token_ids == warm.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
 def test_unreferenced_cached_blocks_are_evicted_lru(tiny_model_dir):
@@ -73,9 +73,9 @@ def test_quantized_blocks_are_shared_too(tiny_model_dir_d32):
     int8 = LLM(str(tiny_model_dir_d32), num_blocks=64, block_size=BS, kv_cache_dtype="int8")
     cold = int8.generate(prompt, greedy(8), use_tqdm=False)[0]
     warm = int8.generate(prompt, greedy(8), use_tqdm=False)[0]
-    assert warm.metrics.cached_tokens == 36 and warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert warm.metrics.cached_tokens == 32 and warm.outputs[0].token_ids == cold.outputs[0].token_ids
     kivi2 = LLM(str(tiny_model_dir_d32), num_blocks=64, block_size=BS, kv_cache_dtype="kivi2", kivi_residual=8)
     kivi2.generate(prompt, greedy(8), use_tqdm=False)  # 44 tokens computed: blocks older than the newest 8 are packed
-    assert kivi2.generate(prompt, greedy(8), use_tqdm=False)[0].metrics.cached_tokens == 36
+    assert kivi2.generate(prompt, greedy(8), use_tqdm=False)[0].metrics.cached_tokens == 32
     kv = kivi2.engine.kv_manager
     assert kv.residual.num_used == 0 and not kv.residual.cached

@@ -48,7 +48,7 @@ def test_static_batching_equals_alone(alone):
 def test_prefix_cached_equals_alone(smollm2, alone):
     first = smollm2.generate(PROMPTS[1], greedy(NEW), use_tqdm=False)[0]
     again = smollm2.generate(PROMPTS[1], greedy(NEW), use_tqdm=False)[0]
-    assert again.metrics.cached_tokens >= 32
+    assert again.metrics.cached_tokens == 16  # of its 33 tokens: two blocks, less one so that two tokens are left to compute
     assert first.outputs[0].token_ids == again.outputs[0].token_ids == alone[1]
 
 

@@ -117,11 +117,13 @@ class KVManager:
         return seq.num_computed_tokens, (hit - pool_hit) * bs
 
     def _longest_hit(self, seq: Sequence, cached) -> int:
-        """Leading blocks every full group has cached (`cached(group, block)`), but never the last token's (it is
-        computed, for its logits) nor past what the sequence's KV policy may reuse, fewer until each sliding group
-        has the window's blocks before the first token left to compute."""
+        """Leading blocks every full group has cached (`cached(group, block)`), but never the last two tokens' (they
+        are computed: the last for its logits, with the one before it so that they run as a prompt chunk; one token
+        alone is a decode query, whose arithmetic differs, and a prompt of 16k + 1 tokens answered otherwise once
+        cached) nor past what the sequence's KV policy may reuse, fewer until each sliding group has the window's
+        blocks before the first token left to compute."""
         full_groups = [g for g, w in enumerate(self.windows) if w is None]
-        last = seq.num_tokens - 1
+        last = seq.num_tokens - 2
         if seq.policy is not None:
             last = min(last, seq.policy.reusable_prefix(seq.num_prompt_tokens, self.chunk_tokens, self.block_size))
         hit = 0
