@@ -228,15 +228,19 @@ def test_prompt_chunks_compute_the_same_however_they_are_chunked(no_amx):
         assert torch.equal(chunked_logits(llm, prompt, chunk), whole), chunk
 
 
-def test_a_cached_prompt_leaves_two_tokens_to_compute_and_answers_the_same(no_amx):
-    """81 tokens with 80 cached left one token, a decode query with the decode kernel's arithmetic, which int8
-    activations amplified: the first logprob was -0.7886 fresh and -0.8246 cached. Two tokens left run as a prompt
-    chunk, whose rows compute what the whole prompt's did."""
+def test_a_prompt_never_leaves_one_token_to_compute_alone(no_amx):
+    """81 tokens with 80 cached, or split 80 + 1 or 16 x 5 + 1 by the step's budget, left one token: a decode query
+    with the decode kernel's arithmetic, which int8 activations amplified (the first logprob -0.8246, fresh in one
+    step -0.7886). A prefix hit now leaves two tokens or more, and a chunk never leaves a single one behind."""
+    def logprobs(llm: LLM, prompt: list[int]) -> list[tuple[int, float]]:
+        return [(t.token_id, t.logprob) for t in llm.generate([prompt], greedy(8, logprobs=1), use_tqdm=False)[0].outputs[0].logprobs]
+
     llm = LLM("smollm2-135m", num_blocks=64)
     prompt = llm.engine.tokenize("Once upon a time " * 20)[:81]
-    fresh, again = (llm.generate([prompt], greedy(8, logprobs=1), use_tqdm=False)[0] for _ in range(2))
-    assert [(t.token_id, t.logprob) for t in again.outputs[0].logprobs] == [(t.token_id, t.logprob) for t in fresh.outputs[0].logprobs]
-    assert len(prompt) == 81 and again.metrics.cached_tokens == 64
+    fresh = logprobs(llm, prompt)
+    assert logprobs(llm, prompt) == fresh and llm.engine.scheduler.stats.prefix_hits == 64
+    for budget in (80, 16):
+        assert logprobs(LLM("smollm2-135m", num_blocks=64, enable_prefix_caching=False, max_num_batched_tokens=budget), prompt) == fresh
 
 
 def test_batch_invariant_needs_the_stacked_int8_kernels_no_kv_policy_and_no_kivi2(no_amx, monkeypatch):
