@@ -717,6 +717,18 @@ def test_distill_stops_when_training_diverges(tmp_path):
     assert not (tmp_path / "draft" / "model.safetensors").exists()
 
 
+def test_distill_refuses_a_step_larger_than_free_memory(tmp_path):
+    """--batch 100000 scored the teacher's distributions until memory ran out; now it is refused up front."""
+    from tests.conftest import save_tiny_llama
+
+    from kvserve.spec_decode.distill import DistillSettings, distill
+
+    save_tiny_llama(tmp_path / "target", num_hidden_layers=2)
+    settings = DistillSettings(model=str(tmp_path / "target"), out=str(tmp_path / "draft"), layers=1, batch=10**9, seq_len=64)
+    with pytest.raises(KVServeError, match=r"--batch 1000000000 x --seq-len 64 needs at least 30517.6 GiB a step .* lower --batch"):
+        distill(settings, token_ids=list(range(200)) * 6, progress=False)
+
+
 def test_distill_prunes_trains_and_saves_a_draft_that_loads(tmp_path):
     from tests.conftest import save_tiny_llama
 

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from kvserve.entrypoints.llm import LLM
 from kvserve.errors import KVServeError, check_output_dir
+from kvserve.kv.cache import free_memory
 from kvserve.models.loader import transformers_model
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft import write_draft_vocab
@@ -94,7 +95,11 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
     check_output_dir(out, "--out")
     torch.manual_seed(settings.seed)
     teacher = LLM(settings.model, max_num_batched_tokens=max(512, settings.batch * settings.seq_len))
-    width = teacher.engine.checkpoint.config.intermediate_size
+    width, vocab_size = teacher.engine.checkpoint.config.intermediate_size, teacher.engine.checkpoint.config.vocab_size
+    need = settings.batch * settings.seq_len * min(settings.vocab or vocab_size, vocab_size) * 2  # a step's fp16 distributions, at least
+    if need > (free := free_memory(teacher.engine.config.torch_device)):  # before, such a step ran until memory ran out
+        raise KVServeError(f"--batch {settings.batch} x --seq-len {settings.seq_len} needs at least {need / 2**30:.1f} GiB a step "
+                           f"for the teacher's distributions, but {free / 2**30:.1f} GiB is free: lower --batch or --seq-len")
     if settings.mlp >= width and not settings.eagle:
         raise KVServeError(f"--mlp must be below the model's MLP width ({width}), got {settings.mlp}")
     text = Text(token_ids) if token_ids is not None else _text(teacher, settings, progress)
