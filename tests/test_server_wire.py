@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import signal
 from collections import Counter
 from dataclasses import replace
 
@@ -92,3 +93,19 @@ def test_the_engine_core_returns_quietly_when_the_http_process_is_gone(smollm2):
         commands_out.close()
         engine.abort_request("orphaned")
     assert not engine.has_unfinished_requests()
+
+
+def test_an_engine_whose_http_process_left_while_it_loaded_exits_quietly(tiny_model_dir):
+    """The server stopped during the engine's start (a kernel build, a model load): the engine then died on a
+    BrokenPipeError's traceback when it said it was ready."""
+    from kvserve.config import EngineConfig
+    from kvserve.server.engine_core import main
+
+    commands, _ = multiprocessing.Pipe()
+    gone, events = multiprocessing.Pipe()
+    gone.close()
+    handler = signal.getsignal(signal.SIGINT)  # main ignores Ctrl-C, as an engine process does
+    try:
+        main(EngineConfig(model=str(tiny_model_dir), num_blocks=8), commands, events, 4, 1, None, None)  # returns, no error
+    finally:
+        signal.signal(signal.SIGINT, handler)

@@ -69,9 +69,12 @@ def main(config: EngineConfig, commands: Connection, events: Connection, max_wai
         events.send(("failed", RuntimeError(f"the engine could not load: {type(e).__name__}: {e}")))
         raise
     checkpoint = engine.checkpoint
-    events.send(("ready", EngineFacts(checkpoint.tokenizer, config.model, engine.max_request_tokens,
-                                      checkpoint.config.vocab_size, engine.layout.to_dict(), engine.kv_usage()["total_bytes"],
-                                      describe(engine) if describe else "")))
+    try:
+        events.send(("ready", EngineFacts(checkpoint.tokenizer, config.model, engine.max_request_tokens,
+                                          checkpoint.config.vocab_size, engine.layout.to_dict(), engine.kv_usage()["total_bytes"],
+                                          describe(engine) if describe else "")))
+    except OSError:  # the HTTP process was stopped while we loaded: nobody to serve (this was a BrokenPipeError's traceback)
+        return
     EngineCore(engine, commands, events, max_waiting, stream_interval).run()
 
 
