@@ -109,7 +109,7 @@ def distill(settings: DistillSettings, token_ids: list[int] | None = None, progr
         raise KVServeError(f"the text has {len(ids)} tokens; distillation needs at least {held_out + 2 * settings.seq_len}")
     evaluation = [ids[i:i + settings.seq_len] for i in range(0, held_out, settings.seq_len)]
     train = ids[held_out:]
-    vocab = draft_vocab(train, teacher.engine.checkpoint.config.vocab_size, settings.vocab)
+    vocab = draft_vocab(train, vocab_size, settings.vocab)
     if settings.eagle:
         report = _distill_features(settings, teacher, text, vocab, progress)
         proposer = "eagle"
