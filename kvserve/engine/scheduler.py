@@ -134,8 +134,8 @@ class Scheduler:
         would get alone (max_num_batched_tokens each; a step may hold part of one) and evicts only where they end,
         so what it keeps, and so what it generates, never depends on the requests that share its steps."""
         n = min(seq.num_uncomputed_tokens, budget)
-        if seq.policy is None:  # never one prompt token left for later: alone it would be a decode query, whose
-            return n - (n > 2 and seq.num_uncomputed_tokens - n == 1)  # arithmetic differs from a prompt chunk's
+        if seq.policy is None:  # never one prompt token left for later: alone it would be a decode query, with other arithmetic
+            return n - 1 if n > 2 and seq.num_uncomputed_tokens - n == 1 else n
         return min(n, self.config.max_num_batched_tokens - seq.num_computed_tokens % self.config.max_num_batched_tokens)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
