@@ -183,8 +183,6 @@ def cmd_chat(args: argparse.Namespace) -> None:
             continue
         fitted = fit_conversation(llm, [*messages, {"role": "user", "content": text}], len(start), params)
         if fitted is None:  # the session goes on: before, the engine's error ended it
-            print(f"kvserve: that message does not fit this engine's {llm.engine.max_request_tokens}-token limit even alone; "
-                  "send a shorter one", file=sys.stderr)
             continue
         messages, prompt, turn_params = fitted
         out = stream_answer(llm, prompt, turn_params, add_special_tokens=False)
@@ -196,12 +194,13 @@ def fit_conversation(llm, messages: list[dict], kept: int,
                      params: SamplingParams) -> tuple[list[dict], list[int], SamplingParams] | None:
     """The conversation, its prompt and the answer's params within the engine's request limit, as Ollama does: the
     oldest exchanges dropped (the first `kept` messages, a system prompt, stay) until a whole answer fits; with only
-    the newest message left, max_tokens cut to the room left. None if that message alone does not fit."""
+    the newest message left, max_tokens cut to the room left. None, said, if that message alone does not fit."""
     limit, fitted = llm.engine.request_limit(llm.engine.kv_policy), list(messages)
     while (len(ids := llm.engine.tokenize(llm.apply_chat_template(fitted), add_special_tokens=False)) + params.max_tokens > limit
            and len(fitted) > kept + 1):
         del fitted[kept:kept + 2]  # the oldest question and its answer
     if len(ids) >= limit:
+        print(f"kvserve: that message does not fit this engine's {limit}-token limit even alone; send a shorter one", file=sys.stderr)
         return None
     if len(fitted) < len(messages):
         print(f"(the conversation outgrew the {limit}-token limit: its {len(messages) - len(fitted)} oldest messages "
