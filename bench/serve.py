@@ -125,15 +125,17 @@ def start_server(model: str, max_num_seqs: int, stream_interval: int) -> tuple[s
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--model", model, "--port", str(port),
                              "--max-num-seqs", str(max_num_seqs), "--stream-interval", str(stream_interval),
                              "--log-level", "warning"])
-    deadline = time.time() + 120
-    while time.time() < deadline:
+    deadline = time.time() + 900  # on a fresh install the server first compiles the kernels: minutes on 2 cores
+    while time.time() < deadline and proc.poll() is None:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                 return proc, port
         except httpx.TransportError:
             time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not start")
+    if proc.poll() is None:
+        proc.terminate()  # the server stops its engine process; a kill would leave it loading
+        proc.wait()
+    raise SystemExit(f"the server did not start (exit code {proc.returncode})")
 
 
 def num_requests(concurrency: int) -> int:
