@@ -79,6 +79,30 @@ def test_an_interrupted_generate_leaves_no_request_behind(tiny_model_dir, monkey
     assert len(out) == 1 and len(calls) == 3 + 4  # the next call ran its own request's steps alone
 
 
+def test_streams_read_in_turns_and_beside_generate(tiny_model_dir):
+    """Each stream stepped the engine and kept only its own outputs: two streams read in turns lost each other's (the
+    other then waited forever for its last), as did a stream left open across a generate, which also ran it on."""
+    llm = LLM(str(tiny_model_dir), num_blocks=64)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = [llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids for ids in ([1, 2, 3], [4, 5])]
+    first, second = llm.stream([1, 2, 3], params), llm.stream([4, 5], params)
+    turns = [(a, b) for a, b in zip(first, second)]  # zip stops after the shorter: both yield 12 outputs here
+    assert len(turns) == 12 and turns[-1][0].finished and turns[-1][1].finished
+    assert [turns[-1][0].outputs[0].token_ids, turns[-1][1].outputs[0].token_ids] == alone
+    assert [len(a.outputs[0].new_token_ids) for a, _ in turns] == [1] * 12  # every step's output, none skipped
+
+    left_open = llm.stream([1, 2, 3], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    shown = [next(left_open)]
+    steps, step = [], llm.engine.step
+    llm.engine.step = lambda: steps.append(1) or step()
+    out = llm.generate([[4, 5]], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == alone[1] and len(steps) == 12  # its own steps, not the stream's 40
+    shown += list(left_open)
+    assert shown[-1].finished and len(shown[-1].outputs[0].token_ids) == 40
+    assert [t for o in shown for t in o.outputs[0].new_token_ids] == shown[-1].outputs[0].token_ids
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv_manager.pool.num_used == 0
+
+
 def test_static_baseline_rejects_n(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), scheduler="static")
     with pytest.raises(KVServeError, match="one completion per request"):

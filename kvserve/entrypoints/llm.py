@@ -1,6 +1,7 @@
 """The offline Python API, in the style of vLLM: `LLM(model).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
@@ -20,12 +21,14 @@ class LLM:
         EngineConfig.check_names(engine_options)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
+        self._streams: dict[str, deque[RequestOutput]] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(config)
         llm.tokenizer = llm.engine.tokenizer
+        llm._streams = {}
         return llm
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -50,8 +53,8 @@ class LLM:
         try:
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 prefill = decode = seconds = 0.0
-                while self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
+                while len(results) < len(ids):
+                    for out in self._step():
                         if out.finished:
                             results[out.request_id] = out
                             bar.update(1)
@@ -75,18 +78,35 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                add_special_tokens: bool = True) -> Iterator[RequestOutput]:
-        """Yield the request's output after every step that adds to it; the last one is finished."""
+        """Yield the request's output after every step that adds to it; the last one is finished. Streams may be
+        read in turns, and a `generate` may run while one is open: each step's outputs wait for their stream."""
         ids, text = self._prompt(prompt, add_special_tokens)
         request_id = self.engine.add_request(ids, params or SamplingParams(), prompt_text=text)
+        waiting = self._streams[request_id] = deque()
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        yield out
-                        if out.finished:
-                            return
+                while not waiting:
+                    self._step()
+                out = waiting.popleft()
+                yield out
+                if out.finished:
+                    return
         finally:
+            del self._streams[request_id]
             self.engine.abort_request(request_id)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step: the outputs of open streams' requests go to their streams, the others are returned."""
+        if not self.engine.has_unfinished_requests():  # a request's last output was lost: a bug, not a wait forever
+            raise RuntimeError("the engine has no requests left to step, but a caller still waits for one")
+        rest = []
+        for out in self.engine.step():
+            waiting = self._streams.get(out.request_id)
+            if waiting is not None:
+                waiting.append(out)
+            else:
+                rest.append(out)
+        return rest
 
     def chat(self, messages: list[Message] | list[list[Message]], params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
