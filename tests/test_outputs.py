@@ -2,6 +2,8 @@
 (full blocks shared, the partly filled last one copied on write)."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from kvserve import LLM, KVServeError, SamplingParams
@@ -100,6 +102,32 @@ def test_streams_read_in_turns_and_beside_generate(tiny_model_dir):
     shown += list(left_open)
     assert shown[-1].finished and len(shown[-1].outputs[0].token_ids) == 40
     assert [t for o in shown for t in o.outputs[0].new_token_ids] == shown[-1].outputs[0].token_ids
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv_manager.pool.num_used == 0
+
+
+def test_generate_from_several_threads_batches_them(tiny_model_dir):
+    """Two threads' generate calls stepped the engine at once: KeyErrors and a ValueError from its state. They now
+    take turns at each step, whose outputs go to each call's requests."""
+    llm = LLM(str(tiny_model_dir), num_blocks=64, **FP32)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    got, errors, sizes, step = {}, [], [], llm.engine.step
+    llm.engine.step = lambda: sizes.append(len(llm.engine.requests)) or step()
+
+    def run(i: int) -> None:
+        try:
+            got[i] = [llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0].token_ids for _ in range(3)]
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and all(got[i] == [alone[i]] * 3 for i in range(len(prompts)))
+    assert max(sizes) > 1  # some steps ran several threads' requests together
     assert not llm.engine.has_unfinished_requests() and llm.engine.kv_manager.pool.num_used == 0
 
 

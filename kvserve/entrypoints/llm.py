@@ -1,6 +1,7 @@
 """The offline Python API, in the style of vLLM: `LLM(model).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -21,20 +22,27 @@ class LLM:
         EngineConfig.check_names(engine_options)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
-        self._streams: dict[str, deque[RequestOutput]] = {}
+        self._start()
+
+    def _start(self) -> None:
+        # Every call's requests share the engine's steps: a stream's or another thread's outputs wait in their
+        # request's queue, and the lock lets one thread at a time touch the engine (whose state is not thread-safe).
+        self._outputs: dict[str, deque[RequestOutput]] = {}
+        self._lock = threading.RLock()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(config)
         llm.tokenizer = llm.engine.tokenizer
-        llm._streams = {}
+        llm._start()
         return llm
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, add_special_tokens: bool = True) -> list[RequestOutput]:
         """Run every prompt through the engine together; results come back in input order, each with
-        `params.n` completions in `.outputs`. `params` is one for all prompts or, as in vLLM, one per prompt."""
+        `params.n` completions in `.outputs`. `params` is one for all prompts or, as in vLLM, one per prompt.
+        Calls from several threads run together, batched in the same steps."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -45,25 +53,30 @@ class LLM:
             raise KVServeError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
         if len(each) != len(prompts):
             raise KVServeError(f"{len(each)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
-        parsed = [self._prompt(p, add_special_tokens) for p in prompts]
-        for (ids, _), p in zip(parsed, each):  # reject a bad prompt before any work starts
-            self.engine.check_request(ids, p)
-        ids = [self.engine.add_request(t, p, prompt_text=text) for (t, text), p in zip(parsed, each)]
+        with self._lock:
+            parsed = [self._prompt(p, add_special_tokens) for p in prompts]
+            for (ids, _), p in zip(parsed, each):  # reject a bad prompt before any work starts
+                self.engine.check_request(ids, p)
+            ids = [self._add(t, p, text) for (t, text), p in zip(parsed, each)]
         results: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 prefill = decode = seconds = 0.0
                 while len(results) < len(ids):
-                    for out in self._step():
-                        if out.finished:
-                            results[out.request_id] = out
-                            bar.update(1)
-                    step = self.engine.last_step
+                    with self._lock:
+                        for request_id in ids:
+                            for out in self._take(request_id):
+                                if out.finished:
+                                    results[request_id] = out
+                                    bar.update(1)
+                        if len(results) == len(ids):
+                            break
+                        self._step()
+                        step = self.engine.last_step
                     prefill, decode, seconds = prefill + step.prefill_tokens, decode + step.decode_tokens, seconds + step.seconds
                     bar.set_postfix_str(f"prefill {prefill / max(seconds, 1e-9):.0f} tok/s, decode {decode / max(seconds, 1e-9):.0f} tok/s", refresh=False)
         finally:  # interrupted (Ctrl-C in a notebook): the requests left would hold their blocks and run in the next call
-            for request_id in ids:
-                self.engine.abort_request(request_id)
+            self._drop(ids)
         return [results[i] for i in ids]
 
     def _prompt(self, prompt: Prompt, add_special_tokens: bool) -> tuple[list[int], str | None]:
@@ -80,33 +93,47 @@ class LLM:
                add_special_tokens: bool = True) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that adds to it; the last one is finished. Streams may be
         read in turns, and a `generate` may run while one is open: each step's outputs wait for their stream."""
-        ids, text = self._prompt(prompt, add_special_tokens)
-        request_id = self.engine.add_request(ids, params or SamplingParams(), prompt_text=text)
-        waiting = self._streams[request_id] = deque()
+        with self._lock:
+            ids, text = self._prompt(prompt, add_special_tokens)
+            request_id = self._add(ids, params or SamplingParams(), text)
         try:
             while True:
-                while not waiting:
-                    self._step()
-                out = waiting.popleft()
+                with self._lock:
+                    while not self._outputs[request_id]:
+                        self._step()
+                    out = self._outputs[request_id].popleft()
                 yield out
                 if out.finished:
                     return
         finally:
-            del self._streams[request_id]
-            self.engine.abort_request(request_id)
+            self._drop([request_id])
 
-    def _step(self) -> list[RequestOutput]:
-        """One engine step: the outputs of open streams' requests go to their streams, the others are returned."""
+    def _add(self, ids: list[int], params: SamplingParams, text: str | None) -> str:
+        request_id = self.engine.add_request(ids, params, prompt_text=text)
+        self._outputs[request_id] = deque()
+        return request_id
+
+    def _take(self, request_id: str) -> list[RequestOutput]:
+        """The request's outputs since the last take."""
+        waiting = self._outputs[request_id]
+        taken = list(waiting)
+        waiting.clear()
+        return taken
+
+    def _step(self) -> None:
+        """One engine step, its outputs to their requests' queues (outputs of requests added elsewhere are dropped)."""
         if not self.engine.has_unfinished_requests():  # a request's last output was lost: a bug, not a wait forever
             raise RuntimeError("the engine has no requests left to step, but a caller still waits for one")
-        rest = []
         for out in self.engine.step():
-            waiting = self._streams.get(out.request_id)
-            if waiting is not None:
+            if (waiting := self._outputs.get(out.request_id)) is not None:
                 waiting.append(out)
-            else:
-                rest.append(out)
-        return rest
+
+    def _drop(self, request_ids: list[str]) -> None:
+        """Abort these requests (those still running) and forget their outputs."""
+        with self._lock:
+            for request_id in request_ids:
+                self._outputs.pop(request_id, None)
+                self.engine.abort_request(request_id)
 
     def chat(self, messages: list[Message] | list[list[Message]], params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
