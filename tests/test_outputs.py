@@ -92,6 +92,7 @@ def test_streams_read_in_turns_and_beside_generate(tiny_model_dir):
     assert len(turns) == 12 and turns[-1][0].finished and turns[-1][1].finished
     assert [turns[-1][0].outputs[0].token_ids, turns[-1][1].outputs[0].token_ids] == alone
     assert [len(a.outputs[0].new_token_ids) for a, _ in turns] == [1] * 12  # every step's output, none skipped
+    assert not llm._outputs  # the second stream, suspended after its last output, keeps no queue
 
     left_open = llm.stream([1, 2, 3], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     shown = [next(left_open)]

@@ -102,6 +102,8 @@ class LLM:
                     while not self._outputs[request_id]:
                         self._step()
                     out = self._outputs[request_id].popleft()
+                    if out.finished:  # its queue goes now, not when the generator is closed or collected
+                        del self._outputs[request_id]
                 yield out
                 if out.finished:
                     return
