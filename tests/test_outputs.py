@@ -2,7 +2,9 @@
 (full blocks shared, the partly filled last one copied on write)."""
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 
@@ -130,6 +132,22 @@ def test_generate_from_several_threads_batches_them(tiny_model_dir):
     assert not errors and all(got[i] == [alone[i]] * 3 for i in range(len(prompts)))
     assert max(sizes) > 1  # some steps ran several threads' requests together
     assert not llm.engine.has_unfinished_requests() and llm.engine.kv_manager.pool.num_used == 0
+
+
+@pytest.mark.parametrize("options", [{}, {"speculative": "ngram"}, {"kv_policy": "h2o"}, {"kv_tiers": ["cpu:64MiB"]}])
+def test_a_dropped_llm_frees_its_engine_at_once(tiny_model_dir, options):
+    """The output processor held the engine's bound method: the engine, its KV pool and weights (1.1 GB for SmolLM2)
+    stayed until the garbage collector found the cycle, so `llm = LLM(...)` run again in a notebook held two."""
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(str(tiny_model_dir), num_blocks=32, **options)
+        llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+        engine = weakref.ref(llm.engine)
+        del llm
+        assert engine() is None
+    finally:
+        gc.enable()
 
 
 def test_static_baseline_rejects_n(tiny_model_dir):

@@ -73,7 +73,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.requests: dict[str, list[Sequence]] = {}  # a request's completions, by index
-        self.output = OutputProcessor(self.kv_manager, self.tokenizer, eos, self._finish)
+        self.output = OutputProcessor(self.kv_manager, self.tokenizer, eos)  # no callback: a bound method kept the engine in a cycle
         self.feature_observers: list[tuple[Callable[[list[Sequence], torch.Tensor], None], Callable[[], bool] | None]] = []
         self.proposer = parse_speculative(config.speculative) if config.speculative else None
         if self.proposer is not None:
@@ -246,7 +246,9 @@ class LLMEngine:
         touched = list(dict.fromkeys(seq.request_id for seq in step.seqs))
         for request_id in touched:  # measured while every completion still holds its blocks
             self.requests[request_id][0].metrics.kv_bytes = self.kv_manager.kv_bytes(self.requests[request_id])
-        deltas = self.output.process(step)
+        deltas, finished = self.output.process(step)
+        for seq, reason in finished:
+            self._finish(seq, reason)
         if step.features is not None:  # a step of swaps only has none
             for observe, _ in self.feature_observers:
                 observe(step.seqs, step.features, step.feature_rows)

@@ -3,7 +3,6 @@ sequence once speculation lands), detokenize, check stops, and say which request
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -16,8 +15,8 @@ from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 
 class OutputProcessor:
-    def __init__(self, kv: KVManager, tokenizer, eos_token_ids: set[int], finish: Callable[[Sequence, str], None]):
-        self.kv, self.tokenizer, self.eos_token_ids, self.finish = kv, tokenizer, eos_token_ids, finish
+    def __init__(self, kv: KVManager, tokenizer, eos_token_ids: set[int]):
+        self.kv, self.tokenizer, self.eos_token_ids = kv, tokenizer, eos_token_ids
         self.detokenizers: dict[Sequence, IncrementalDetokenizer] = {}
 
     def add(self, seq: Sequence) -> None:
@@ -36,23 +35,30 @@ class OutputProcessor:
                 self.kv.truncate(seq)
             self.kv.cache_full_blocks(seq)
 
-    def process(self, step: StepOutput) -> dict[Sequence, tuple[str, list[int]]]:
-        """Append each sequence's new tokens; returns what each one's text and tokens gained."""
+    def process(self, step: StepOutput) -> tuple[dict[Sequence, tuple[str, list[int]]], list[tuple[Sequence, str]]]:
+        """Append each sequence's new tokens; returns what each one's text and tokens gained, and the sequences that
+        finished with their reasons (for the engine to finish)."""
         sampled = step.sampled
         if sampled is None:
-            return {}
+            return {}, []
         for seq, scored in sampled.prompt.items():
             targets = seq.token_ids[len(seq.prompt_logprobs):]
             seq.prompt_logprobs += [TokenLogprob(t, lp, dict(zip(ids, values))) for t, lp, ids, values in
                                     zip(targets, scored.logprobs.tolist(), scored.top_ids.tolist(), scored.top_logprobs.tolist())]
             if scored.distributions is not None:
                 seq.prompt_distributions.append(scored.distributions)
-        # max_tokens 0 scores the prompt only: its sampled token is dropped
-        return {seq: self.append(seq, tokens if seq.params.max_tokens else [], sampled.logprobs, rows)
-                for seq, tokens, rows in zip(step.seqs, step.tokens, step.rows)}
+        deltas, finished = {}, []
+        for seq, tokens, rows in zip(step.seqs, step.tokens, step.rows):
+            # max_tokens 0 scores the prompt only: its sampled token is dropped
+            *deltas[seq], reason = self.append(seq, tokens if seq.params.max_tokens else [], sampled.logprobs, rows)
+            if reason is not None:
+                finished.append((seq, reason))
+        return deltas, finished
 
-    def append(self, seq: Sequence, tokens: list[int], logprobs: torch.Tensor | None, logprob_rows: list[int]) -> tuple[str, list[int]]:
-        """Append tokens up to the first that finishes the sequence; returns the text shown and tokens added."""
+    def append(self, seq: Sequence, tokens: list[int], logprobs: torch.Tensor | None,
+               logprob_rows: list[int]) -> tuple[str, list[int], str | None]:
+        """Append tokens up to the first that finishes the sequence; returns the text shown, the tokens added and
+        the reason it finished (None: it goes on)."""
         now, metrics = time.perf_counter(), seq.metrics
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
@@ -72,9 +78,7 @@ class OutputProcessor:
         # the finished request's text starts with.
         shown = seq.text if reason is not None else seq.text[: len(seq.text) - _stop_prefix_length(seq.text, seq.params.stop)]
         delta, seq.num_shown_chars = shown[seq.num_shown_chars:], len(shown)
-        if reason is not None:
-            self.finish(seq, reason)
-        return delta, new
+        return delta, new, reason
 
     def request_output(self, seqs: list[Sequence], deltas: dict[Sequence, tuple[str, list[int]]]) -> RequestOutput:
         """The request's completions as they stand, each with what this step added to it."""
