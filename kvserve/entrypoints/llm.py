@@ -25,8 +25,8 @@ class LLM:
         self._start()
 
     def _start(self) -> None:
-        # Every call's requests share the engine's steps: a stream's or another thread's outputs wait in their
-        # request's queue, and the lock lets one thread at a time touch the engine (whose state is not thread-safe).
+        # Every call's requests share the engine's steps: a stream's or another thread's outputs wait in their call's
+        # queue, and the lock lets one thread at a time touch the engine (whose state is not thread-safe).
         self._outputs: dict[str, deque[RequestOutput]] = {}
         self._lock = threading.RLock()
 
@@ -57,18 +57,18 @@ class LLM:
             parsed = [self._prompt(p, add_special_tokens) for p in prompts]
             for (ids, _), p in zip(parsed, each):  # reject a bad prompt before any work starts
                 self.engine.check_request(ids, p)
-            ids = [self._add(t, p, text) for (t, text), p in zip(parsed, each)]
+            arrived: deque[RequestOutput] = deque()
+            ids = [self._add(t, p, text, arrived) for (t, text), p in zip(parsed, each)]
         results: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 prefill = decode = seconds = 0.0
                 while len(results) < len(ids):
                     with self._lock:
-                        for request_id in ids:
-                            for out in self._take(request_id):
-                                if out.finished:
-                                    results[request_id] = out
-                                    bar.update(1)
+                        while arrived:
+                            if (out := arrived.popleft()).finished:
+                                results[out.request_id] = out
+                                bar.update(1)
                         if len(results) == len(ids):
                             break
                         self._step()
@@ -95,7 +95,7 @@ class LLM:
         read in turns, and a `generate` may run while one is open: each step's outputs wait for their stream."""
         with self._lock:
             ids, text = self._prompt(prompt, add_special_tokens)
-            request_id = self._add(ids, params or SamplingParams(), text)
+            request_id = self._add(ids, params or SamplingParams(), text, deque())
         try:
             while True:
                 with self._lock:
@@ -110,17 +110,11 @@ class LLM:
         finally:
             self._drop([request_id])
 
-    def _add(self, ids: list[int], params: SamplingParams, text: str | None) -> str:
+    def _add(self, ids: list[int], params: SamplingParams, text: str | None, outputs: deque[RequestOutput]) -> str:
+        """Add a request whose outputs go to `outputs` (its call's queue)."""
         request_id = self.engine.add_request(ids, params, prompt_text=text)
-        self._outputs[request_id] = deque()
+        self._outputs[request_id] = outputs
         return request_id
-
-    def _take(self, request_id: str) -> list[RequestOutput]:
-        """The request's outputs since the last take."""
-        waiting = self._outputs[request_id]
-        taken = list(waiting)
-        waiting.clear()
-        return taken
 
     def _step(self) -> None:
         """One engine step, its outputs to their requests' queues (outputs of requests added elsewhere are dropped)."""
