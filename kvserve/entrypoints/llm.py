@@ -20,11 +20,10 @@ Message = dict[str, str]
 class LLM:
     def __init__(self, model: str = "smollm2-135m", **engine_options):
         EngineConfig.check_names(engine_options)
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
-        self.tokenizer = self.engine.tokenizer
-        self._start()
+        self._start(LLMEngine(EngineConfig(model=model, **engine_options)))
 
-    def _start(self) -> None:
+    def _start(self, engine: LLMEngine) -> None:
+        self.engine, self.tokenizer = engine, engine.tokenizer
         # Every call's requests share the engine's steps: a stream's or another thread's outputs wait in their call's
         # queue, and the lock lets one thread at a time touch the engine (whose state is not thread-safe).
         self._outputs: dict[str, deque[RequestOutput]] = {}
@@ -33,9 +32,7 @@ class LLM:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
-        llm.tokenizer = llm.engine.tokenizer
-        llm._start()
+        llm._start(LLMEngine(config))
         return llm
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -63,7 +60,7 @@ class LLM:
         try:
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 prefill = decode = seconds = 0.0
-                while len(results) < len(ids):
+                while True:
                     with self._lock:
                         while arrived:
                             if (out := arrived.popleft()).finished:
