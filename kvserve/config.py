@@ -239,8 +239,9 @@ class EngineConfig:
     kivi_residual: int = 128
     kv_policy: str | None = None  # which cached tokens requests keep, e.g. "streaming:sinks=4,window=1024" (kvserve.kv.policies)
     speculative: str | None = None  # a proposer, e.g. "ngram:k=4" (kvserve.spec_decode)
-    # A prompt's tokens attend as decode queries (the decode kernel, each over its own context), so a request's
-    # numbers never depend on what shares its steps or how its prompt is chunked; long prompts prefill slower.
+    # A prompt's tokens attend as decode queries (the decode kernel, each over its own context), and every step's rows
+    # multiply as int8 (on AMX too, whose bf16 tiles would take steps of many rows), so a request's numbers never depend
+    # on what shares its steps or how its prompt is chunked; long prompts prefill slower.
     batch_invariant: bool = False
     enforce_eager: bool = False  # CUDA: run decode steps op by op instead of replaying CUDA graphs of them (vLLM's flag)
     seed: int = 0
@@ -324,10 +325,10 @@ class EngineConfig:
     def bf16_prompt_attention(self) -> bool:
         """Whether the prompt tokens of a step of more than BF16_PROMPT_ATTENTION_ROWS tokens attend in bf16 (SDPA
         over bf16 queries, keys and values; decode attention stays fp32): a GGUF model's int8 matmuls on a CPU with
-        AMX, whose kernels multiply such steps in bf16 already (kernels/quant_matmul.cpp). A dense model's bf16
-        matmuls take every step alike, and so does its attention: a request's numbers do not depend on the tokens
-        beside it."""
-        return self.int8_matmuls and cpu_has_amx()
+        AMX, whose kernels multiply such steps in bf16 already (kernels/quant_matmul.cpp; not with batch_invariant,
+        which keeps them on int8 rows). A dense model's bf16 matmuls take every step alike, and so does its attention:
+        a request's numbers do not depend on the tokens beside it."""
+        return self.int8_matmuls and cpu_has_amx() and not self.batch_invariant
 
     @property
     def int8_matmuls(self) -> bool:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve import hugepages
-from kvserve.kernels import native_ops
+from kvserve.kernels import Activations, native_ops
 from kvserve.layers.quantized import GGUFTensor, QuantizedWeight, gather_on_huge_pages
 from tests.test_kernels import T, random_blocks
 
@@ -57,10 +57,10 @@ def test_gathered_weights_lie_in_one_buffer_in_order_and_multiply_as_before():
     weights = [QuantizedWeight.pack(GGUFTensor(torch.from_numpy(random_blocks(qtype, rows, 256, seed=rows)), qtype.name, (rows, 256)))
                for qtype, rows in ((T.Q4_1, 3000), (T.Q8_0, 40), (T.Q6_K, 7))]
     x = torch.randn(3, 256)
-    before = [w.matmul(x, int8_activations=True) for w in weights]
+    before = [w.matmul(x, Activations.INT8) for w in weights]
     gather_on_huge_pages(weights)
     parts = [rows for w in weights for _, rows in w.parts]
     assert all(a.untyped_storage().data_ptr() == parts[0].untyped_storage().data_ptr() for a in parts)
     assert all(a.data_ptr() + a.nbytes <= b.data_ptr() and b.data_ptr() % 64 == 0 for a, b in zip(parts, parts[1:]))
     for w, expected in zip(weights, before):
-        assert torch.equal(w.matmul(x, int8_activations=True), expected)
+        assert torch.equal(w.matmul(x, Activations.INT8), expected)

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from kvserve import LLM, KVServeError, config
 from kvserve.config import EngineConfig, cpu_has_native_bf16
-from kvserve.attention import cpu_native
 from kvserve.kernels import native_ops
 from kvserve.layers.linear import Linear
 from tests.conftest import FP32, greedy
@@ -51,7 +50,6 @@ def no_amx(monkeypatch):
     """A CPU without AMX, whatever this one has: int8 activations take the kernels' integer dot products at every
     step size, and prompts attend in fp32."""
     monkeypatch.setattr(config, "cpu_has_amx", lambda: False)
-    monkeypatch.setattr(cpu_native, "cpu_has_amx", lambda: False)
     ops = native_ops()
     amx = ops is not None and ops.kernel_isa() == "amx"
     if amx:
@@ -199,12 +197,13 @@ def test_a_request_decodes_the_same_alone_and_batched(no_amx):
     assert 64 < sum(len(out.prompt_token_ids) for out in together) < 2 * 64
 
 
-def test_batch_invariant_prompts_compute_the_same_however_they_are_chunked(no_amx):
+def test_batch_invariant_prompts_compute_the_same_however_they_are_chunked():
     """batch_invariant: a prompt's tokens attend as decode queries (the decode kernel's arithmetic, which depends on
     each query's context alone), so a prompt's logits are bit for bit the same in one step, in chunks of any size,
     and one token a step, and a request's output the same alone or beside another that splits its prompt's chunks
     differently. Without it, SDPA's blocking made chunks of 5, 33 or 60 of a 65-token prompt differ, and such a
-    prompt answer differently alone (a 64-token chunk, then one) and batched."""
+    prompt answer differently alone (a 64-token chunk, then one) and batched. On a CPU with AMX its kernels keep int8
+    rows where a plain engine's steps of 32 rows or more multiply in bf16 on the tiles."""
     llm = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=64, batch_invariant=True)
     assert llm.engine.runner.backend.batch_invariant
     prompt = llm.engine.tokenize("Once upon a time, in a village between two rivers, there lived " * 6, add_special_tokens=False)[:65]
@@ -243,19 +242,19 @@ def test_a_prompt_never_leaves_one_token_to_compute_alone(no_amx):
         assert logprobs(LLM("smollm2-135m", num_blocks=64, enable_prefix_caching=False, max_num_batched_tokens=budget), prompt) == fresh
 
 
-def test_batch_invariant_needs_the_stacked_int8_kernels_no_kv_policy_and_no_kivi2(no_amx, monkeypatch):
+def test_batch_invariant_needs_the_stacked_int8_kernels_no_kv_policy_and_no_kivi2():
     with pytest.raises(KVServeError, match="batch_invariant needs a GGUF model's layers stacked on the native CPU kernels"):
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, **FP32)
     with pytest.raises(KVServeError, match="kv_policy h2o cannot run with batch_invariant"):
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, kv_policy="h2o:budget=0.5")
     with pytest.raises(KVServeError, match="batch_invariant cannot run with a kivi2 cache"):  # its tokens were packed per step
         LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True, cache_type_k="kivi2")
-    monkeypatch.setattr(cpu_native, "cpu_has_amx", lambda: True)  # the kernels' bf16 tiles from 32 rows
-    with pytest.raises(KVServeError, match="batch_invariant needs"):
-        LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True)
+    # a CPU with AMX multiplies a plain engine's steps of 32 rows or more in bf16 on its tiles: batch_invariant keeps int8 rows
+    plain = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB").engine.runner
+    assert plain.backend.batch_invariant == (native_ops().kernel_isa() != "amx")
 
 
-def test_batch_invariant_with_speculative_decoding_keeps_the_tokens(no_amx):
+def test_batch_invariant_with_speculative_decoding_keeps_the_tokens():
     """A draft only guesses, so its runner needs no batch_invariant; the target's tokens stay the plain engine's."""
     params = greedy(24)
     plain = LLM("smollm2-135m", device="cpu", kv_cache_memory="64MiB", batch_invariant=True).generate(["The capital of France is"], params,

@@ -10,14 +10,13 @@ import torch
 
 from kvserve.attention import ForwardContext, QueryGroup
 from kvserve.attention.sdpa import SDPABackend
-from kvserve.config import cpu_has_amx
 from kvserve.kernels import native_module, native_ops
 from kvserve.kv.cache import KVCache
 from kvserve.kv.formats.fp8 import FP8Format
 from kvserve.kv.formats.full import FloatFormat
 from kvserve.kv.formats.int4 import INT4
 from kvserve.kv.formats.int8 import INT8
-from kvserve.layers.linear import ANY_ROWS
+from kvserve.layers.linear import Linear
 
 
 class NativeCPUBackend(SDPABackend):
@@ -44,8 +43,8 @@ class NativeCPUBackend(SDPABackend):
         if not self.writes or any(getattr(layer, "fused", None) is None for layer in layers) or None in self.stores:
             return
         self.stack, self.stack_rows = torch.classes.kvserve.DecodeStack(), min(layer.fused_rows for layer in layers)
-        # on AMX the kernels multiply steps of 32 rows or more in bf16 (kernels/quant_matmul.cpp)
-        self.stack_depth, self.batch_invariant = len(layers), self.stack_rows == ANY_ROWS and not cpu_has_amx()
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        self.stack_depth, self.batch_invariant = len(layers), all(m.row_invariant for m in linears)
         rope_kinds = list(dict.fromkeys(layer.self_attn.rope for layer in layers))
         for kind in rope_kinds:
             self.stack.add_rope(model.rotary[kind].cos, model.rotary[kind].sin)

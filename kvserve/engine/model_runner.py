@@ -67,7 +67,7 @@ class ModelRunner:
         if model is None:
             self.model = build_model(checkpoint, config.torch_dtype, max_model_len, self.device, quantized=bool(self.native))
             if self.native:
-                self.model.use_fused_ops(native_ops(), int8_activations=config.matmul_dtype != "float32")
+                self.model.use_fused_ops(native_ops(), int8_activations=config.matmul_dtype != "float32", bf16_tiles=not config.batch_invariant)
                 if q8_weights:
                     use_q8_weights(self.model)
                 gather_on_huge_pages(self.model.quantized_weights())
@@ -95,8 +95,8 @@ class ModelRunner:
                 self.graphs.capture()
         if config.batch_invariant and not self.backend.batch_invariant:
             raise KVServeError("batch_invariant needs a GGUF model's layers stacked on the native CPU kernels with int8 "
-                               "activations at every step size (not matmul_dtype=float32, --no-native-kernels, CUDA, "
-                               "a KV format the decode kernel cannot write, or a CPU with AMX)")
+                               "activations (not matmul_dtype=float32, --no-native-kernels, CUDA or a KV format the decode "
+                               "kernel cannot write)")
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare steps
 
     @torch.inference_mode()

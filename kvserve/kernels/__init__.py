@@ -10,6 +10,7 @@ FeatureDraft's guesses as plain pybind11 calls.
 """
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import logging
@@ -21,6 +22,16 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCES = ["quant_matmul.cpp", "quant_matmul_avx512.cpp", "decode_layer.cpp", "paged_attention.cpp", "paged_attention_avx512.cpp",
            "pointwise.cpp"]
+
+
+class Activations(enum.IntEnum):
+    """What the kernels multiply a packed weight by (kernels/quants.h): the fp32 rows; the rows quantized to int8 per 32
+    values, a step of 32 rows or more in bf16 on AMX's tiles where the CPU has them; or int8 rows at every step size,
+    so that a row's numbers never depend on the rows beside it (batch_invariant)."""
+
+    FP32 = 0
+    INT8 = 1
+    INT8_ONLY = 2
 
 
 def triton_ops():

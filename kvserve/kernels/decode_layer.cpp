@@ -58,10 +58,10 @@ struct Linear {
     }
 
     // out [T, this->out] = x [T, K] @ W.T (+ bias)
-    void apply(const float* x, int64_t T, int64_t K, bool int8, float* y) const {
+    void apply(const float* x, int64_t T, int64_t K, int64_t activations, float* y) const {
         int64_t col = 0;
         for (size_t i = 0; i < parts.size(); ++i) {
-            kvq::matmul(types[i], x, T, K, parts[i], rows[i], int8, y + col, out);
+            kvq::matmul(types[i], x, T, K, parts[i], rows[i], activations, y + col, out);
             col += rows[i];
         }
         if (bias)
@@ -153,19 +153,19 @@ struct RowNorm {
 
 // The MLP block of a decoder layer or a feature draft over T rows of H: y += down(act(gate(n)) * up(n)) with
 // n = rms_norm(y), the MLP's output normed by out_norm first where it has a weight; act is SiLU or GELU-tanh.
-void mlp_rows(float* y, int64_t T, int64_t H, const float* w, double eps, const Linear& gate_up, const Linear& down, bool int8,
+void mlp_rows(float* y, int64_t T, int64_t H, const float* w, double eps, const Linear& gate_up, const Linear& down, int64_t activations,
               bool gelu, const RowNorm& out_norm) {
     const int64_t I = gate_up.out / 2;
     thread_local std::vector<float> h, gu, act, proj;
     h.resize(T * H), gu.resize(T * 2 * I), act.resize(T * I), proj.resize(T * H);
     float *hp = h.data(), *gp = gu.data(), *ap = act.data(), *pp = proj.data();  // this thread's buffers, for the workers
     kvp::for_rows(T, [&](int64_t t) { kvp::rms_norm_row(y + t * H, w, H, float(eps), hp + t * H); });
-    gate_up.apply(hp, T, H, int8, gp);
+    gate_up.apply(hp, T, H, activations, gp);
     kvp::for_rows(T, [&](int64_t t) {
         const float* g = gp + t * 2 * I;
         gelu ? kvp::gelu_tanh_mul_row(g, g + I, I, ap + t * I) : kvp::silu_mul_row(g, g + I, I, ap + t * I);
     });
-    down.apply(ap, T, I, int8, pp);
+    down.apply(ap, T, I, activations, pp);
     out_norm.apply(pp, T, H, H);
     kvp::for_rows(T, [&](int64_t t) {
         for (int64_t i = t * H; i < (t + 1) * H; ++i) y[i] += pp[i];
@@ -183,7 +183,7 @@ struct DecodeLayer : torch::CustomClassHolder {
     const float *norm1_w, *norm2_w;  // their data
     double eps1, eps2, scale;
     Linear qkv, o, gate_up, down;
-    bool int8;
+    int64_t activations;  // kvq::matmul's
     int64_t heads, kv_heads;
     RowNorm q_norm, k_norm, attn_out_norm, mlp_out_norm;
     bool gelu = false;
@@ -191,11 +191,11 @@ struct DecodeLayer : torch::CustomClassHolder {
     DecodeLayer(at::Tensor norm1, double eps1, std::vector<at::Tensor> qkv, std::vector<int64_t> qkv_types, c10::optional<at::Tensor> qkv_bias,
                 at::Tensor norm2, double eps2, std::vector<at::Tensor> o, std::vector<int64_t> o_types, c10::optional<at::Tensor> o_bias,
                 std::vector<at::Tensor> gate_up, std::vector<int64_t> gate_up_types, std::vector<at::Tensor> down,
-                std::vector<int64_t> down_types, bool int8_activations, int64_t heads, int64_t kv_heads, double scale)
+                std::vector<int64_t> down_types, int64_t activations, int64_t heads, int64_t kv_heads, double scale)
         : norm1(norm1.contiguous()), norm2(norm2.contiguous()), norm1_w(this->norm1.data_ptr<float>()),
           norm2_w(this->norm2.data_ptr<float>()), eps1(eps1), eps2(eps2), scale(scale), qkv(qkv, qkv_types, qkv_bias),
           o(o, o_types, o_bias), gate_up(gate_up, gate_up_types, c10::nullopt), down(down, down_types, c10::nullopt),
-          int8(int8_activations), heads(heads), kv_heads(kv_heads) {}
+          activations(activations), heads(heads), kv_heads(kv_heads) {}
 
     void qk_norms(const at::Tensor& q, double q_eps, const at::Tensor& k, double k_eps) { q_norm.set(q, q_eps), k_norm.set(k, k_eps); }
 
@@ -224,7 +224,7 @@ struct DecodeLayer : torch::CustomClassHolder {
         h.resize(T * H);
         float* hp = h.data();  // this thread's buffer, for the workers
         kvp::for_rows(T, [&](int64_t t) { kvp::rms_norm_row(x + t * H, norm1_w, H, float(eps1), hp + t * H); });
-        qkv.apply(hp, T, H, int8, out);
+        qkv.apply(hp, T, H, activations, out);
         kvp::for_rows(T, [&](int64_t t) {
             float* row = out + t * qkv.out;
             q_norm.apply(row, heads, D, D), k_norm.apply(row + heads * D, kv_heads, D, D);
@@ -238,12 +238,12 @@ struct DecodeLayer : torch::CustomClassHolder {
         thread_local std::vector<float> proj;
         proj.resize(T * H);
         float* pp = proj.data();  // this thread's buffer, for the workers
-        o.apply(attn, T, A, int8, pp);
+        o.apply(attn, T, A, activations, pp);
         attn_out_norm.apply(pp, T, H, H);
         kvp::for_rows(T, [&](int64_t t) {
             for (int64_t i = t * H; i < (t + 1) * H; ++i) y[i] = x[i] + pp[i];
         });
-        mlp_rows(y, T, H, norm2_w, eps2, gate_up, down, int8, gelu, mlp_out_norm);
+        mlp_rows(y, T, H, norm2_w, eps2, gate_up, down, activations, gelu, mlp_out_norm);
     }
 
     // The whole layer for T decoding rows, x -> y (may be x): q/k/v, the new K/V written at their slots and attention
@@ -318,7 +318,7 @@ struct DecodeStack : torch::CustomClassHolder {
     int64_t embed_type = 0;
     double embed_scale = 1;
     Linear head;
-    bool head_int8 = false;
+    int64_t head_activations = kvq::FP32_ROWS;
 
     // The next layer, its stores (NativeCPUBackend.stores), its KV group and its rotary table's index. A group's
     // layers hold blocks of one pool (the same counts, block size, heads and formats), so a step's block tables and
@@ -344,7 +344,7 @@ struct DecodeStack : torch::CustomClassHolder {
 
     // The embedding and the head, for decode (after set_norm, whose width they must have).
     void set_ends(const at::Tensor& embedding, int64_t type, double scale, std::vector<at::Tensor> head_parts,
-                  std::vector<int64_t> head_types, bool int8_activations) {
+                  std::vector<int64_t> head_types, int64_t activations) {
         TORCH_CHECK(norm.weight.defined(), "set_ends comes after set_norm");
         const int64_t H = norm.weight.numel();
         TORCH_CHECK(embedding.dim() == 2 && embedding.device().is_cpu() && embedding.scalar_type() == at::kByte &&
@@ -352,7 +352,7 @@ struct DecodeStack : torch::CustomClassHolder {
         head = Linear(head_parts, head_types, c10::nullopt);
         TORCH_CHECK(head.parts.size() == 1, "the head must be one packed part (its argmax is found as its outputs land)");
         head.check(H);
-        embed = embedding.contiguous(), embed_type = type, embed_scale = scale, head_int8 = int8_activations;
+        embed = embedding.contiguous(), embed_type = type, embed_scale = scale, head_activations = activations;
     }
 
     // A step of B decoding rows whole: each row's token embedded, every layer, the final norm and the head, each
@@ -387,7 +387,7 @@ struct DecodeStack : torch::CustomClassHolder {
         const at::Tensor pos = at::from_blob(const_cast<int64_t*>(positions), {B}, opts);
         at::Tensor y = forward(x, pos, group_tables, lens, windows, slots, int64_t(layers.size()), c10::nullopt);
         at::Tensor logits = at::empty({B, head.out}, x.options()), argmax = at::empty({B}, opts);
-        kvq::matmul(head.types[0], y.data_ptr<float>(), B, H, head.parts[0], head.out, head_int8, logits.data_ptr<float>(), head.out,
+        kvq::matmul(head.types[0], y.data_ptr<float>(), B, H, head.parts[0], head.out, head_activations, logits.data_ptr<float>(), head.out,
                     argmax.data_ptr<int64_t>());
         return {y, logits, argmax};
     }
@@ -440,15 +440,15 @@ struct FeatureDraft : torch::CustomClassHolder {
     at::Tensor norm, out_norm, vocab, embed;  // vocab: the token id of each head row; embed: the packed embedding rows
     double eps, out_eps;
     int64_t embed_type;
-    bool int8;
+    int64_t activations;  // kvq::matmul's
 
     FeatureDraft(std::vector<at::Tensor> fc, std::vector<int64_t> fc_types, at::Tensor norm, double eps, std::vector<at::Tensor> gate_up,
                  std::vector<int64_t> gate_up_types, std::vector<at::Tensor> down, std::vector<int64_t> down_types, at::Tensor out_norm,
                  double out_eps, std::vector<at::Tensor> head, std::vector<int64_t> head_types, at::Tensor vocab, at::Tensor embed,
-                 int64_t embed_type, bool int8_activations)
+                 int64_t embed_type, int64_t activations)
         : fc(fc, fc_types, c10::nullopt), gate_up(gate_up, gate_up_types, c10::nullopt), down(down, down_types, c10::nullopt),
           head(head, head_types, c10::nullopt), norm(norm.contiguous()), out_norm(out_norm.contiguous()), vocab(vocab.contiguous()),
-          embed(embed.contiguous()), eps(eps), out_eps(out_eps), embed_type(embed_type), int8(int8_activations) {
+          embed(embed.contiguous()), eps(eps), out_eps(out_eps), embed_type(embed_type), activations(activations) {
         const int64_t H = this->fc.out;
         this->fc.check(2 * H), this->gate_up.check(H), this->down.check(this->gate_up.out / 2), this->head.check(H);
         TORCH_CHECK(this->norm.numel() == H && this->out_norm.numel() == H && this->down.out == H && this->gate_up.out % 2 == 0,
@@ -479,12 +479,12 @@ struct FeatureDraft : torch::CustomClassHolder {
             for (int64_t b = 0; b < B; ++b) {
                 embedding_row(embed, embed_type, H, step == 0 ? tokens[b] : guess[b * K + step - 1], in.data() + b * 2 * H);
             }
-            fc.apply(in.data(), B, 2 * H, int8, x.data());
-            mlp_rows(x.data(), B, H, norm.data_ptr<float>(), eps, gate_up, down, int8, false, RowNorm{});
+            fc.apply(in.data(), B, 2 * H, activations, x.data());
+            mlp_rows(x.data(), B, H, norm.data_ptr<float>(), eps, gate_up, down, activations, false, RowNorm{});
             for (int64_t b = 0; b < B; ++b)
                 kvp::rms_norm_row(x.data() + b * H, out_norm.data_ptr<float>(), H, float(out_eps), in.data() + b * 2 * H + H);
             for (int64_t b = 0; b < B; ++b) std::copy_n(in.data() + b * 2 * H + H, H, h.data() + b * H);
-            head.apply(h.data(), B, H, int8, logits.data());
+            head.apply(h.data(), B, H, activations, logits.data());
             for (int64_t b = 0; b < B; ++b) {
                 const float* row = logits.data() + b * V;
                 const int64_t* ids = vocab.data_ptr<int64_t>();
@@ -556,7 +556,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.class_<DecodeLayer>("DecodeLayer")
         .def(torch::init<at::Tensor, double, std::vector<at::Tensor>, std::vector<int64_t>, c10::optional<at::Tensor>, at::Tensor, double,
                          std::vector<at::Tensor>, std::vector<int64_t>, c10::optional<at::Tensor>, std::vector<at::Tensor>,
-                         std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>, bool, int64_t, int64_t, double>())
+                         std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double>())
         .def("qk_norms", &DecodeLayer::qk_norms)
         .def("output_norms", &DecodeLayer::output_norms)
         .def("activation", &DecodeLayer::activation)
@@ -573,5 +573,5 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.class_<FeatureDraft>("FeatureDraft")
         .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, std::vector<at::Tensor>, std::vector<int64_t>,
                          std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, std::vector<at::Tensor>, std::vector<int64_t>,
-                         at::Tensor, at::Tensor, int64_t, bool>());
+                         at::Tensor, at::Tensor, int64_t, int64_t>());
 }

@@ -693,13 +693,13 @@ void kvq::dequantize_f32(int type, const uint8_t* w, const Layout& L, int64_t N,
 }
 
 // out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows (see quants.h).
-void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
+void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t activations,
                  float* out, int64_t ldo, int64_t* argmax) {
     if (M == 0 || N == 0) return;
     const kvt::Scope timed;
     const Layout L = layout(type, K);
     ArgmaxScans scans(argmax != nullptr);
-    if (!int8_activations) {
+    if (activations == FP32_ROWS) {
         thread_local std::vector<float> sums;
         sums.assign(M * L.units, 0.0f);
         for (int64_t i = 0; i < M * L.units; ++i)
@@ -714,7 +714,7 @@ void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* 
     }
     thread_local Prepared prepared;
     thread_local std::vector<uint16_t> x_bf16;
-    const bool bf16 = use_amx && M >= AMX_BF16_ROWS;
+    const bool bf16 = use_amx && activations == INT8_ROWS && M >= AMX_BF16_ROWS;
     if (bf16) x_bf16.resize(M * K);
     uint16_t* xb = x_bf16.data();  // this thread's buffer: its address taken here, not in the workers
     if (bf16) at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { to_bf16_avx512(x + r0 * K, (r1 - r0) * K, xb + r0 * K); });
@@ -742,10 +742,11 @@ void kvq::matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* 
     scans.write(M, argmax);
 }
 
-// x [M, K] fp32 @ W.T for packed W [N, row bytes]: [M, N]. int8_activations: x quantized per 32 values first.
-// `argmax` (int64 [M]): each output row's argmax too.
-static at::Tensor checked_matmul(const at::Tensor& input, const at::Tensor& w, int64_t type, bool int8_activations, at::Tensor* argmax) {
+// x [M, K] fp32 @ W.T for packed W [N, row bytes]: [M, N], multiplied as `activations` says (FP32_ROWS, INT8_ROWS,
+// INT8_ROWS_ONLY). `argmax` (int64 [M]): each output row's argmax too.
+static at::Tensor checked_matmul(const at::Tensor& input, const at::Tensor& w, int64_t type, int64_t activations, at::Tensor* argmax) {
     TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kFloat && input.device().is_cpu(), "x must be a 2-D fp32 CPU tensor");
+    TORCH_CHECK(activations >= FP32_ROWS && activations <= INT8_ROWS_ONLY, "activations must be 0, 1 or 2, got ", activations);
     const at::Tensor x = input.contiguous();
     const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
     const Layout L = checked_layout(type, K);
@@ -753,20 +754,20 @@ static at::Tensor checked_matmul(const at::Tensor& input, const at::Tensor& w, i
                 "weights do not match K=", K, ": expected packed rows of ", L.row_bytes, " bytes");
     at::Tensor out = at::empty({M, N}, x.options());
     if (argmax) *argmax = at::empty({M}, x.options().dtype(at::kLong));
-    kvq::matmul(static_cast<int>(type), x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, int8_activations, out.data_ptr<float>(), N,
+    kvq::matmul(static_cast<int>(type), x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, activations, out.data_ptr<float>(), N,
                 argmax ? argmax->data_ptr<int64_t>() : nullptr);
     return out;
 }
 
-at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type, bool int8_activations) {
-    return checked_matmul(x, w, type, int8_activations, nullptr);
+at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t activations) {
+    return checked_matmul(x, w, type, activations, nullptr);
 }
 
 // gguf_matmul, and each output row's argmax [M], found as the outputs land: a greedy step's tokens without a pass
 // over its logits.
-std::tuple<at::Tensor, at::Tensor> gguf_matmul_argmax(const at::Tensor& x, const at::Tensor& w, int64_t type, bool int8_activations) {
+std::tuple<at::Tensor, at::Tensor> gguf_matmul_argmax(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t activations) {
     at::Tensor argmax;
-    at::Tensor out = checked_matmul(x, w, type, int8_activations, &argmax);
+    at::Tensor out = checked_matmul(x, w, type, activations, &argmax);
     return {out, argmax};
 }
 
@@ -858,8 +859,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
     m.def("gguf_dequantize(Tensor w, int type, int K, ScalarType dtype, Tensor? out=None) -> Tensor", &gguf_dequantize);
     m.def("gguf_select(Tensor w, Tensor ids, int type, int K) -> Tensor", &gguf_select);
     m.def("gguf_rows(Tensor w, Tensor ids, int type, int K) -> Tensor", &gguf_rows);
-    m.def("gguf_matmul(Tensor x, Tensor w, int type, bool int8_activations=False) -> Tensor", &gguf_matmul);
-    m.def("gguf_matmul_argmax(Tensor x, Tensor w, int type, bool int8_activations=False) -> (Tensor, Tensor)", &gguf_matmul_argmax);
+    m.def("gguf_matmul(Tensor x, Tensor w, int type, int activations=0) -> Tensor", &gguf_matmul);
+    m.def("gguf_matmul_argmax(Tensor x, Tensor w, int type, int activations=0) -> (Tensor, Tensor)", &gguf_matmul_argmax);
     m.def("kernel_isa() -> str", &kernel_isa);
     m.def("set_kernel_isa(str name) -> ()", &set_kernel_isa);
     m.def("kernel_seconds() -> float", &kernel_seconds);

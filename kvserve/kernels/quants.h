@@ -201,10 +201,15 @@ inline __m256i unit_values(int type, const uint8_t* row, const Layout& L, int64_
 // K is whole blocks of it (quant_matmul.cpp).
 Layout checked_layout(int64_t type, int64_t K);
 
+// What matmul multiplies the packed weights by (its `activations`; kernels/__init__.py: Activations): the fp32 rows;
+// the rows quantized to int8 per 32 values, a step of many rows in bf16 on AMX's tiles where the CPU has them; or
+// int8 rows at every step size, so that a row's numbers never depend on the rows beside it (batch_invariant).
+enum : int64_t { FP32_ROWS = 0, INT8_ROWS = 1, INT8_ROWS_ONLY = 2 };
+
 // out[r * ldo + n] = x[r] . W[n] for M rows of K fp32 values and N packed rows of `type` (panels, then the rest),
-// with int8-quantized activations or fp32 ones (quant_matmul.cpp; for the fused layer ops too). `argmax`: also
-// each row's first largest output's n (a NaN counts as largest, as in NumPy), found as each thread's outputs land.
-void matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool int8_activations,
+// multiplied as `activations` says (quant_matmul.cpp; for the fused layer ops too). `argmax`: also each row's first
+// largest output's n (a NaN counts as largest, as in NumPy), found as each thread's outputs land.
+void matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t activations,
             float* out, int64_t ldo, int64_t* argmax = nullptr);
 
 // Rows [n0, n1) of a packed tensor `w` of N rows of `type` as fp32, row n at out + (n - n0) * L.K (quant_matmul.cpp).

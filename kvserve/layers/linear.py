@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels import Activations, native_ops
 from kvserve.layers.quantized import QuantizedWeight
 
 # Up to this many rows the fp32-activation kernels beat dequantizing the weight for a GEMM of fp32 tiles. Measured
@@ -37,6 +38,7 @@ MAX_TRANSPOSED_ROWS = 256
 class Linear(nn.Linear):
     qweight: QuantizedWeight | None = None  # set at load: then `weight` is None
     int8_activations = False  # the kernels multiply activations quantized to int8 per 32 values (llama.cpp's way)
+    bf16_tiles = True  # ...and, where the CPU has AMX, a step of 32 rows or more in bf16 on its tiles (False: batch_invariant)
     gemm_dtype = torch.float32  # what a quantized weight's tiles are dequantized to for many-row steps
 
     def reset_parameters(self) -> None:
@@ -54,7 +56,21 @@ class Linear(nn.Linear):
         bias, within kernel_rows: an LM head's greedy tokens); else None."""
         if self.qweight is None or self.bias is not None or x.shape[0] > self.kernel_rows:
             return self(x), None
-        return self.qweight.matmul_argmax(x, self.int8_activations)
+        return self.qweight.matmul_argmax(x, self.activations)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a row's numbers never depend on the rows beside it: a quantized weight multiplied by int8 rows at every
+        step size (without AMX, or its tiles turned off)."""
+        no_tiles = not self.bf16_tiles or native_ops().kernel_isa() != "amx"
+        return self.qweight is not None and self.int8_activations and no_tiles
+
+    @property
+    def activations(self) -> Activations:
+        """What the kernels multiply a quantized weight by."""
+        if not self.int8_activations:
+            return Activations.FP32
+        return Activations.INT8 if self.bf16_tiles else Activations.INT8_ONLY
 
     @property
     def kernel_rows(self) -> int:
@@ -63,7 +79,7 @@ class Linear(nn.Linear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            return self.qweight.matmul(x, self.int8_activations) if x.shape[0] <= self.kernel_rows else self._tiled(x)
+            return self.qweight.matmul(x, self.activations) if x.shape[0] <= self.kernel_rows else self._tiled(x)
         if self.weight.dtype == torch.bfloat16:  # matmul_dtype: activations stay fp32 outside the matmul
             return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         if x.is_cuda or x.dim() != 2 or x.shape[0] > MAX_TRANSPOSED_ROWS:
@@ -94,7 +110,7 @@ class VocabSubset(nn.Module):
         super().__init__()
         self.vocab_size = head.out_features
         self.head = Linear(head.in_features, len(ids), bias=False, device="meta")
-        self.head.int8_activations, self.head.gemm_dtype = head.int8_activations, head.gemm_dtype
+        self.head.int8_activations, self.head.bf16_tiles, self.head.gemm_dtype = head.int8_activations, head.bf16_tiles, head.gemm_dtype
         if head.qweight is not None:
             self.head.use_quantized(head.qweight.select(ids))
         else:

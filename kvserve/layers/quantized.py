@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvserve import hugepages
-from kvserve.kernels import native_ops
+from kvserve.kernels import Activations, native_ops
 
 # The GGUF types kvserve.kernels multiply in place (ggml type ids).
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -95,18 +95,18 @@ class QuantizedWeight:
     def types(self) -> list[str]:
         return [qtype for qtype, _ in self.parts]
 
-    def matmul(self, x: torch.Tensor, int8_activations: bool) -> torch.Tensor:
-        """x [M, in] fp32 @ W.T, the kernels reading the packed rows (int8_activations: x quantized per 32 values)."""
-        outs = [native_ops().gguf_matmul(x, rows, KERNEL_TYPES[qtype], int8_activations) for qtype, rows in self.parts]
+    def matmul(self, x: torch.Tensor, activations: Activations) -> torch.Tensor:
+        """x [M, in] fp32 @ W.T, the kernels reading the packed rows and multiplying them by `activations`."""
+        outs = [native_ops().gguf_matmul(x, rows, KERNEL_TYPES[qtype], activations) for qtype, rows in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def matmul_argmax(self, x: torch.Tensor, int8_activations: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def matmul_argmax(self, x: torch.Tensor, activations: Activations) -> tuple[torch.Tensor, torch.Tensor | None]:
         """matmul, and each output row's argmax where the kernel finds it as the outputs land (a weight of one part);
         else None."""
         if len(self.parts) > 1:
-            return self.matmul(x, int8_activations), None
+            return self.matmul(x, activations), None
         (qtype, rows), = self.parts
-        return native_ops().gguf_matmul_argmax(x, rows, KERNEL_TYPES[qtype], int8_activations)
+        return native_ops().gguf_matmul_argmax(x, rows, KERNEL_TYPES[qtype], activations)
 
     def tiles(self, dtype: torch.dtype):
         """(first row, dequantized rows [n, in]) for all rows, a few MB at a time, in one buffer reused by every tile

@@ -71,7 +71,7 @@ class CausalLM(nn.Module):
                                                                       for w in (head.qweight, embed.qweight)):
             return None
         (rows,), (type_id,) = embed.qweight.kernel_args
-        return (rows, type_id, self.embed_scale, *head.qweight.kernel_args, head.int8_activations), head.kernel_rows
+        return (rows, type_id, self.embed_scale, *head.qweight.kernel_args, head.activations), head.kernel_rows
 
     def hf_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A Hugging Face state dict renamed and fused to this module's parameters."""
@@ -124,9 +124,10 @@ class CausalLM(nn.Module):
                 if module.weight is not None:
                     module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
 
-    def use_fused_ops(self, ops, int8_activations: bool = False) -> None:
+    def use_fused_ops(self, ops, int8_activations: bool = False, bf16_tiles: bool = True) -> None:
         """Norms, RoPE and SiLU-and-mul call `ops` (kvserve.kernels' on CPU, kernels/pointwise_triton.py on CUDA);
-        quantized linear layers multiply int8-quantized activations where asked."""
+        quantized linear layers multiply int8-quantized activations where asked, and steps of many rows on AMX's bf16
+        tiles unless told not to (layers/linear.py)."""
         from kvserve.models.llama import MLP, Attention
 
         for module in self.modules():
@@ -135,7 +136,7 @@ class CausalLM(nn.Module):
             if isinstance(module, MLP):
                 module.ops = ops if module.activation == "silu" else None
             if isinstance(module, Linear):
-                module.int8_activations = int8_activations
+                module.int8_activations, module.bf16_tiles = int8_activations, bf16_tiles
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
         """Logits for these token ids only, -inf for the rest (a draft's head: layers/linear.py VocabSubset)."""

@@ -104,7 +104,7 @@ class DecoderLayer(nn.Module):
         self.fused = torch.classes.kvserve.DecodeLayer(
             before_attn.weight, before_attn.eps, *attn.qkv_proj.qweight.kernel_args, attn.qkv_proj.bias,
             before_mlp.weight, before_mlp.eps, *attn.o_proj.qweight.kernel_args, attn.o_proj.bias,
-            *mlp.gate_up_proj.qweight.kernel_args, *mlp.down_proj.qweight.kernel_args, attn.qkv_proj.int8_activations,
+            *mlp.gate_up_proj.qweight.kernel_args, *mlp.down_proj.qweight.kernel_args, attn.qkv_proj.activations,
             attn.heads, attn.kv_heads, attn.scale)
         if attn.qk_norm:
             self.fused.qk_norms(attn.q_norm.weight, attn.q_norm.eps, attn.k_norm.weight, attn.k_norm.eps)

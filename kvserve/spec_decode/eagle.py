@@ -78,7 +78,7 @@ class FeatureDraft(nn.Module):
         fc, gate_up, down, head_rows = (m.qweight.kernel_args for m in linears)
         (embed_rows,), (embed_type,) = embed.qweight.kernel_args
         draft = torch.classes.kvserve.FeatureDraft(*fc, self.norm.weight, self.norm.eps, *gate_up, *down, self.out_norm.weight,
-                                                   self.out_norm.eps, *head_rows, head.ids, embed_rows, embed_type, self.fc.int8_activations)
+                                                   self.out_norm.eps, *head_rows, head.ids, embed_rows, embed_type, self.fc.activations)
         return native_module().DraftStep(draft)
 
     def save(self, out: Path, vocab: list[int] | None) -> None:
