@@ -103,3 +103,11 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs: None for the first token
     # SamplingParams.prompt_distributions, once finished: [prompt tokens - 1, vocab] fp16 log-probs, row i predicting token i + 1
     prompt_distributions: Any = None
+
+    def after(self, earlier: RequestOutput) -> RequestOutput:
+        """This output, carrying what `earlier` (the request's output before it, not read) added too: a reader that
+        falls behind gets one output for the steps it missed, not one each, each holding its text and ids so far."""
+        for now, before in zip(self.outputs, earlier.outputs):
+            before.new_token_ids.extend(now.new_token_ids)
+            now.new_text, now.new_token_ids = before.new_text + now.new_text, before.new_token_ids
+        return self

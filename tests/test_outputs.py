@@ -102,7 +102,12 @@ def test_streams_read_in_turns_and_beside_generate(tiny_model_dir):
     llm.engine.step = lambda: steps.append(1) or step()
     out = llm.generate([[4, 5]], params, use_tqdm=False)
     assert out[0].outputs[0].token_ids == alone[1] and len(steps) == 12  # its own steps, not the stream's 40
+    # the stream's request decoded in those steps: one output waits for it with all 12 tokens (not 12 outputs, each
+    # with its text and ids so far)
+    (waiting,) = llm._outputs.values()
+    assert len(waiting) == 1 and len(waiting[0].outputs[0].new_token_ids) == 12
     shown += list(left_open)
+    assert len(shown) == 2 + 40 - 13
     assert shown[-1].finished and len(shown[-1].outputs[0].token_ids) == 40
     assert [t for o in shown for t in o.outputs[0].new_token_ids] == shown[-1].outputs[0].token_ids
     assert not llm.engine.has_unfinished_requests() and llm.engine.kv_manager.pool.num_used == 0

@@ -114,11 +114,14 @@ class LLM:
         return request_id
 
     def _step(self) -> None:
-        """One engine step, its outputs to their requests' queues (outputs of requests added elsewhere are dropped)."""
+        """One engine step, its outputs to their requests' queues (outputs of requests added elsewhere are dropped); an
+        output its reader has not taken yet is merged into the request's new one."""
         if not self.engine.has_unfinished_requests():  # a request's last output was lost: a bug, not a wait forever
             raise RuntimeError("the engine has no requests left to step, but a caller still waits for one")
         for out in self.engine.step():
             if (waiting := self._outputs.get(out.request_id)) is not None:
+                if waiting and waiting[-1].request_id == out.request_id:
+                    out = out.after(waiting.pop())
                 waiting.append(out)
 
     def _drop(self, request_ids: list[str]) -> None:
