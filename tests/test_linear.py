@@ -264,3 +264,15 @@ def test_batch_invariant_with_speculative_decoding_keeps_the_tokens():
     out = spec.generate(["The capital of France is"], params, use_tqdm=False)[0]
     assert not spec.engine.proposer.runner.config.batch_invariant and out.metrics.num_draft_tokens > 0
     assert out.outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
+def test_batch_invariant_verifies_many_guesses_as_one_token_steps():
+    """Four copying prompts guessing up to 10 tokens each make verifying steps of up to 44 rows, which a CPU with AMX
+    multiplied in bf16 on its tiles: greedy tokens kept, logprobs not. batch_invariant keeps them on int8 rows."""
+    text = "The quick brown fox jumps over the lazy dog near the river bank while the farmer watches from his old house. "
+    prompts, params = [f"Repeat this paragraph {i} times exactly: " + text * 3 for i in range(4)], greedy(48, logprobs=0)
+    plain = LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True).generate(prompts, params, use_tqdm=False)
+    spec = LLM("smollm2-135m", kv_cache_memory="64MiB", batch_invariant=True, speculative="ngram:k=10,min_acceptance=0,min_speedup=0")
+    out = spec.generate(prompts, params, use_tqdm=False)
+    assert spec.engine.scheduler.stats.num_accepted_tokens > 4 * 24
+    assert [[lp.logprob for lp in o.outputs[0].logprobs] for o in out] == [[lp.logprob for lp in o.outputs[0].logprobs] for o in plain]
