@@ -62,8 +62,7 @@ class Linear(nn.Linear):
     def row_invariant(self) -> bool:
         """Whether a row's numbers never depend on the rows beside it: a quantized weight multiplied by int8 rows at every
         step size (without AMX, or its tiles turned off)."""
-        no_tiles = not self.bf16_tiles or native_ops().kernel_isa() != "amx"
-        return self.qweight is not None and self.int8_activations and no_tiles
+        return self.qweight is not None and self.int8_activations and (not self.bf16_tiles or native_ops().kernel_isa() != "amx")
 
     @property
     def activations(self) -> Activations:
