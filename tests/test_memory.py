@@ -204,6 +204,23 @@ def test_cli_json_table_and_plot(tmp_path, capsys):
     assert cli.main(["memory", "mistral-7b", "--device", "tpu"]) == 2
 
 
+def test_cli_takes_the_model_first_or_as_model(capsys):
+    """`kvserve memory` took its model only as the first argument and the engine commands only as --model (`kvserve serve
+    MODEL`, as vLLM's, was an unrecognized argument): each takes either, once, and the engine commands default to
+    SmolLM2."""
+    assert cli.main(["memory", "llama-3-70b", "--json"]) == 0
+    first = capsys.readouterr().out
+    assert cli.main(["memory", "--model", "llama-3-70b", "--json"]) == 0 and capsys.readouterr().out == first
+    assert cli.main(["memory"]) == 2 and "kvserve memory needs a model" in capsys.readouterr().err
+    assert cli.main(["memory", "llama-3-70b", "--model", "mistral-7b"]) == 2
+    assert "the model is given twice: 'llama-3-70b' and --model 'mistral-7b'" in capsys.readouterr().err
+    for argv, model in ((["serve", "my-model"], "my-model"), (["serve", "--model", "m", "--port", "1"], "m"), (["serve"], "smollm2-135m"),
+                        (["generate", "--prompt", "hi", "m"], "m"), (["chat", "m", "--model", "m"], "m")):
+        args = cli.build_parser().parse_args(argv)
+        cli.check_args(args)
+        assert args.model == model and "model_arg" not in args
+
+
 @pytest.mark.parametrize("args,message", [(["--memory", "0"], "memory must be > 0, got 0"),  # was the device's memory
                                           (["--kv-dtype", "int8/"], "unknown KV dtype ''"),  # was int8 for both
                                           (["--flops", "inf"], "finite FLOP/s"), (["--bandwidth", "nan"], "finite FLOP/s")])

@@ -18,9 +18,29 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 
+def add_model_args(parser: argparse.ArgumentParser, default: str | None, what: str) -> None:
+    """The model as the first argument (vLLM's `vllm serve MODEL`) or as --model; check_args resolves the two, and
+    `default` where neither is given (None: one is needed)."""
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL", help=f"{what} (or --model)")
+    parser.add_argument("--model", help=f"{what}" + (f" (default {default})" if default else ""))
+    parser.set_defaults(model_default=default)
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """args.model from MODEL or --model (both: the same one), else the default."""
+    if "model_arg" not in args:
+        return
+    if args.model_arg is not None and args.model is not None and args.model_arg != args.model:
+        raise KVServeError(f"the model is given twice: {args.model_arg!r} and --model {args.model!r}")
+    args.model = args.model_arg or args.model or args.model_default
+    del args.model_arg, args.model_default
+    if args.model is None:
+        raise KVServeError(f"kvserve {args.command} needs a model: kvserve {args.command} MODEL (or --model MODEL)")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    parser.add_argument("--model", default=d.model, help="built-in name, .gguf file or Hugging Face model directory")
+    add_model_args(parser, d.model, "built-in name, .gguf file or Hugging Face model directory")
     parser.add_argument("--device", default=d.device, help="auto (CUDA when present), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default=d.dtype, help="float32, bfloat16 or float16 (weights and KV cache)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
@@ -298,7 +318,7 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1 routes")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model)")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond this get HTTP 503")
     serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
                        help="send each request's new tokens every N steps, merged (its first and last at once): less "
@@ -354,7 +374,7 @@ def cmd_memory(args: argparse.Namespace) -> None:
 
 def _add_memory_parser(sub) -> None:
     mem = sub.add_parser("memory", help="plan KV memory: bytes per token, capacity, roofline")
-    mem.add_argument("model", help="preset (e.g. llama-3-70b), built-in model, config.json, model directory or .gguf")
+    add_model_args(mem, None, "preset (e.g. llama-3-70b), built-in model, config.json, model directory or .gguf")
     mem.add_argument("--kv-dtype", action="append",
                      help="bf16, fp16, fp32, fp8, fp8_e5m2, int8, int4, kivi2, or K/V apart as int8/int4 (repeatable)")
     mem.add_argument("--contexts", type=_int_list, default=[4096, 32768, 131072], help="e.g. 4096,32768")
@@ -495,8 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Every text option is text the tokenizer can encode: Python hands a command line's bytes that are not UTF-8 over
-    as lone surrogates, which the tokenizer (and printing them) failed on."""
+    """The model from MODEL or --model; every text option is text the tokenizer can encode: Python hands a command
+    line's bytes that are not UTF-8 over as lone surrogates, which the tokenizer (and printing them) failed on."""
+    resolve_model(args)
     for name, value in vars(args).items():
         for text in value if isinstance(value, list) else [value]:
             if isinstance(text, str):
