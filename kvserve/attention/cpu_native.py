@@ -43,8 +43,8 @@ class NativeCPUBackend(SDPABackend):
         if not self.writes or any(getattr(layer, "fused", None) is None for layer in layers) or None in self.stores:
             return
         self.stack, self.stack_rows = torch.classes.kvserve.DecodeStack(), min(layer.fused_rows for layer in layers)
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        self.stack_depth, self.batch_invariant = len(layers), all(m.row_invariant for m in linears)
+        packed = [m for m in model.modules() if isinstance(m, Linear) and m.qweight is not None]
+        self.stack_depth, self.batch_invariant = len(layers), all(m.row_invariant for m in packed)
         rope_kinds = list(dict.fromkeys(layer.self_attn.rope for layer in layers))
         for kind in rope_kinds:
             self.stack.add_rope(model.rotary[kind].cos, model.rotary[kind].sin)
