@@ -206,8 +206,8 @@ def test_cli_json_table_and_plot(tmp_path, capsys):
 
 def test_cli_takes_the_model_first_or_as_model(capsys):
     """`kvserve memory` took its model only as the first argument and the engine commands only as --model (`kvserve serve
-    MODEL`, as vLLM's, was an unrecognized argument): each takes either, once, and the engine commands default to
-    SmolLM2."""
+    MODEL`, as vLLM's, was an unrecognized argument), as were eval and distill: each takes either, once, and the engine
+    commands default to SmolLM2."""
     assert cli.main(["memory", "llama-3-70b", "--json"]) == 0
     first = capsys.readouterr().out
     assert cli.main(["memory", "--model", "llama-3-70b", "--json"]) == 0 and capsys.readouterr().out == first
@@ -215,10 +215,13 @@ def test_cli_takes_the_model_first_or_as_model(capsys):
     assert cli.main(["memory", "llama-3-70b", "--model", "mistral-7b"]) == 2
     assert "the model is given twice: 'llama-3-70b' and --model 'mistral-7b'" in capsys.readouterr().err
     for argv, model in ((["serve", "my-model"], "my-model"), (["serve", "--model", "m", "--port", "1"], "m"), (["serve"], "smollm2-135m"),
-                        (["generate", "--prompt", "hi", "m"], "m"), (["chat", "m", "--model", "m"], "m")):
+                        (["generate", "--prompt", "hi", "m"], "m"), (["chat", "m", "--model", "m"], "m"), (["eval", "m"], "m"),
+                        (["eval"], "smollm2-135m"), (["distill", "m", "--steps", "2"], "m"), (["distill", "--model", "m"], "m"),
+                        (["distill"], "smollm2-135m")):
         args = cli.build_parser().parse_args(argv)
         cli.check_args(args)
         assert args.model == model and "model_arg" not in args
+    assert cli.main(["distill", "a", "--model", "b"]) == 2 and "given twice: 'a' and --model 'b'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,message", [(["--memory", "0"], "memory must be > 0, got 0"),  # was the device's memory

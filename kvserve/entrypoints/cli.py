@@ -27,13 +27,17 @@ def add_model_args(parser: argparse.ArgumentParser, default: str | None, what: s
 
 
 def resolve_model(args: argparse.Namespace) -> None:
-    """args.model from MODEL or --model (both: the same one), else the default."""
-    if "model_arg" not in args:
+    """args.model from MODEL or --model (both: the same one), else the default. (distill's parser leaves an option
+    not given unset: so do these two.)"""
+    if "model_default" not in args:
         return
-    if args.model_arg is not None and args.model is not None and args.model_arg != args.model:
-        raise KVServeError(f"the model is given twice: {args.model_arg!r} and --model {args.model!r}")
-    args.model = args.model_arg or args.model or args.model_default
-    del args.model_arg, args.model_default
+    given, flag = getattr(args, "model_arg", None), getattr(args, "model", None)
+    if given is not None and flag is not None and given != flag:
+        raise KVServeError(f"the model is given twice: {given!r} and --model {flag!r}")
+    args.model = given or flag or args.model_default
+    if "model_arg" in args:
+        del args.model_arg
+    del args.model_default
     if args.model is None:
         raise KVServeError(f"kvserve {args.command} needs a model: kvserve {args.command} MODEL (or --model MODEL)")
 
@@ -417,7 +421,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def _add_eval_parser(sub) -> None:
     d = EngineConfig()
     ev = sub.add_parser("eval", help="what KV options cost: perplexity, KL, passkey, memory and speed against a baseline")
-    ev.add_argument("--model", default=d.model)
+    add_model_args(ev, d.model, "built-in name, .gguf file or Hugging Face model directory")
     ev.add_argument("--compare", action="append", default=[], metavar="NAME=VALUE,...",
                     help="an option set to compare with the baseline, e.g. kv_cache_dtype=int8 (repeatable)")
     ev.add_argument("--base", default="matmul_dtype=float32", metavar="NAME=VALUE,...",
@@ -465,7 +469,7 @@ def _add_distill_parser(sub) -> None:
     kvserve.spec_decode.distill brings torch, which `kvserve serve`'s HTTP process does without."""
     di = sub.add_parser("distill", help="make a speculative-decoding draft from the model: prune layers, then distill",
                         argument_default=argparse.SUPPRESS)
-    di.add_argument("--model")
+    add_model_args(di, EngineConfig().model, "the target: built-in name, .gguf file or Hugging Face model directory")
     di.add_argument("--out", help="directory the draft is saved to (Hugging Face format)")
     di.add_argument("--layers", type=int, help="decoder layers kept: the first ones and the last LAYERS // 3")
     di.add_argument("--eagle", action="store_true",
