@@ -84,6 +84,22 @@ def test_n_greater_than_one_and_seed(client):
     assert a.usage.completion_tokens == 30
 
 
+@pytest.mark.parametrize("path,prompt", [("/v1/completions", {"prompt": ["Once upon a time", "The sea"]}),
+                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+def test_streamed_usage_counts_each_completion_once(server, path, prompt):
+    """n > 1 with every completion ending in the same step (max_tokens=1): the streamed usage counted the request's
+    last output once per completion it ended, n times over (3 x 2 tokens a prompt here, for 2)."""
+    body = {"model": "test-model", **prompt, "n": 3, "max_tokens": 1, "temperature": 0, "seed": 1}
+    plain = httpx.post(f"{server}{path}", json=body, timeout=60).json()["usage"]
+    with httpx.stream("POST", f"{server}{path}", json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                      timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = events[-1]["usage"]
+    prompts = len(prompt.get("prompt", [None]))
+    assert streamed["completion_tokens"] == plain["completion_tokens"] == 3 * prompts
+    assert streamed["forked_blocks"] == plain["forked_blocks"] and streamed["kv_bytes"] == plain["kv_bytes"]
+
+
 def test_n_choices_fork_one_prefill(server):
     """n = 4 prefills the prompt once: the other three share its full blocks (usage.forked_blocks), and each
     choice i is what a single request with seed + i gives."""

@@ -217,7 +217,7 @@ class Server:
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _completion_chunks(self, req, request_id, streams, prompt_tokens, texts) -> AsyncIterator[str]:
-        created, finals, extra, echoed = int(time.time()), [], _usage_field(req), set()
+        created, finals, extra, echoed = int(time.time()), {}, _usage_field(req), set()
         async for update in choice_updates(streams, req.n):
             if isinstance(update, dict):
                 yield sse(update)
@@ -231,13 +231,15 @@ class Server:
             body = self._completion_body(req, out, prompt_text, c.new_text, new, logprobs, offset, req.echo and first)
             choice = {"index": index, **body, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             yield sse(envelope("text_completion", request_id, self.model_name, [choice], created, **extra))
-            finals += [out] if out.finished else []
+            if out.finished:  # each completion that ended in this output brings it: counted once
+                finals[index // req.n] = out
         if extra:
-            yield sse(envelope("text_completion", request_id, self.model_name, [], created, usage=usage(prompt_tokens, finals)))
+            yield sse(envelope("text_completion", request_id, self.model_name, [], created,
+                               usage=usage(prompt_tokens, list(finals.values()))))
         yield sse("[DONE]")
 
     async def _chat_chunks(self, req, request_id, streams, prompt_tokens) -> AsyncIterator[str]:
-        created, finals, extra = int(time.time()), [], _usage_field(req)
+        created, finals, extra = int(time.time()), {}, _usage_field(req)
 
         def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None, stop: int | str | None = None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
@@ -256,10 +258,11 @@ class Server:
                 yield chunk(index, {"content": c.new_text}, logprobs=logprobs)
             if c.finished:
                 yield chunk(index, {}, c.finish_reason, stop=c.stop_reason)
-            finals += [out] if out.finished else []
+            if out.finished:  # each completion that ended in this output brings it: counted once
+                finals[index // req.n] = out
         if extra:
             yield sse(envelope("chat.completion.chunk", request_id, self.model_name, [], created,
-                               usage=usage(prompt_tokens, finals)))
+                               usage=usage(prompt_tokens, list(finals.values()))))
         yield sse("[DONE]")
 
 
