@@ -79,6 +79,20 @@ inline void load32(const void* base, const uint16_t* meta, const float* channel,
     }
 }
 
+// The next block's lines, asked for into L1 a few at a time between this block's arithmetic (`steps` times), so
+// that its fetch overlaps the arithmetic; what is left when this block is done, at once.
+struct Ahead {
+    const char *p, *end;
+    int64_t per;
+    Ahead(const char* from, const char* to, int64_t steps) : p(from), end(to), per(steps > 0 ? ((to - from) / 64 + steps - 1) / steps : 0) {}
+    inline void step() {
+        for (int64_t k = 0; k < per && p < end; ++k, p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    }
+    ~Ahead() {
+        for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    }
+};
+
 // Lane j of the result is the sum of v[j]'s lanes, for each the same tree: (v[e] + v[8 + e]) + (v[4 + e] + v[12 + e])
 // for e < 4, then (e0 + e2) + (e1 + e3), as _mm512_reduce_add_ps sums a single key's (the tail's, below).
 inline __m256 reduce8(__m512 v[8]) {
@@ -98,7 +112,8 @@ inline __m256 reduce8(__m512 v[8]) {
 // take a reduction each, in the same order: a key's score does not depend on the run it falls in.
 template <int Format, int G>
 void heads_scores(const float* q, const void* k, const uint16_t* meta, const float* channel, const int64_t* rows, int64_t n, int64_t D,
-                  float scale, float* out, int64_t stride) {
+                  float scale, float* out, int64_t stride, const char* ahead, const char* ahead_end) {
+    Ahead next(ahead, ahead_end, n / 8 * 8 * (D / 32));
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
         __m512 acc[G][8];
@@ -108,6 +123,7 @@ void heads_scores(const float* q, const void* k, const uint16_t* meta, const flo
             for (int j = 0; j < 8; ++j) {
                 __m512 lo, hi;
                 load32<Format>(k, meta, channel, rows[t + j], i, D, lo, hi);
+                next.step();
                 for (int h = 0; h < G; ++h) acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + i), lo, acc[h][j]);
                 for (int h = 0; h < G; ++h) acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + i + 16), hi, acc[h][j]);
             }
@@ -127,7 +143,8 @@ void heads_scores(const float* q, const void* k, const uint16_t* meta, const flo
 // out[h] += sum_t p[h][t] V[t] for Heads heads, 64 columns at a time.
 template <int Format, int Heads>
 void values(const float* p, int64_t p_stride, const void* v, const uint16_t* meta, const float* channel, const int64_t* rows, int64_t n,
-            int64_t D, float* out, int64_t out_stride) {
+            int64_t D, float* out, int64_t out_stride, const char* ahead, const char* ahead_end) {
+    Ahead next(ahead, ahead_end, n * (D / 64));
     for (int64_t c0 = 0; c0 < D; c0 += 64) {
         __m512 acc[Heads][4];
         for (int h = 0; h < Heads; ++h)
@@ -135,6 +152,7 @@ void values(const float* p, int64_t p_stride, const void* v, const uint16_t* met
         for (int64_t t = 0; t < n; ++t) {
             __m512 vt[4];
             load32<Format>(v, meta, channel, rows[t], c0, D, vt[0], vt[1]), load32<Format>(v, meta, channel, rows[t], c0 + 32, D, vt[2], vt[3]);
+            next.step();
             for (int h = 0; h < Heads; ++h) {
                 const __m512 ph = _mm512_set1_ps(p[h * p_stride + t]);
                 for (int r = 0; r < 4; ++r) acc[h][r] = _mm512_fmadd_ps(ph, vt[r], acc[h][r]);
@@ -166,27 +184,28 @@ void with_format(int format, F&& f) {
 namespace kva {
 
 void scores_avx512(int format, const float* q, int64_t heads, const void* k, const uint16_t* meta, const float* channel, const int64_t* rows,
-                   int64_t n, int64_t D, float scale, float* out, int64_t out_stride) {
+                   int64_t n, int64_t D, float scale, float* out, int64_t out_stride, const char* ahead, const char* ahead_end) {
     with_format(format, [&](auto f) {
         constexpr int F = decltype(f)::value;
-        if (heads == 3) heads_scores<F, 3>(q, k, meta, channel, rows, n, D, scale, out, out_stride);
-        else if (heads == 2) heads_scores<F, 2>(q, k, meta, channel, rows, n, D, scale, out, out_stride);
-        else heads_scores<F, 1>(q, k, meta, channel, rows, n, D, scale, out, out_stride);
+        if (heads == 3) heads_scores<F, 3>(q, k, meta, channel, rows, n, D, scale, out, out_stride, ahead, ahead_end);
+        else if (heads == 2) heads_scores<F, 2>(q, k, meta, channel, rows, n, D, scale, out, out_stride, ahead, ahead_end);
+        else heads_scores<F, 1>(q, k, meta, channel, rows, n, D, scale, out, out_stride, ahead, ahead_end);
     });
 }
 
 void values_avx512(int format, const float* p, int64_t p_stride, int64_t heads, const void* v, const uint16_t* meta, const float* channel,
-                   const int64_t* rows, int64_t n, int64_t D, float* out, int64_t out_stride) {
+                   const int64_t* rows, int64_t n, int64_t D, float* out, int64_t out_stride, const char* ahead, const char* ahead_end) {
     with_format(format, [&](auto f) {
         constexpr int F = decltype(f)::value;
         for (int64_t h = 0; h < heads; h += 4) {
             const float* ph = p + h * p_stride;
             float* oh = out + h * out_stride;
+            const char *a = h == 0 ? ahead : nullptr, *e = h == 0 ? ahead_end : nullptr;
             switch (std::min<int64_t>(4, heads - h)) {
-                case 1: values<F, 1>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride); break;
-                case 2: values<F, 2>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride); break;
-                case 3: values<F, 3>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride); break;
-                default: values<F, 4>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride);
+                case 1: values<F, 1>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride, a, e); break;
+                case 2: values<F, 2>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride, a, e); break;
+                case 3: values<F, 3>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride, a, e); break;
+                default: values<F, 4>(ph, p_stride, v, meta, channel, rows, n, D, oh, out_stride, a, e);
             }
         }
     });
