@@ -134,7 +134,8 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 // query_scores for the G query heads of one KV head (q: G rows of D, D a multiple of 8), four keys at a time: each
 // K row is loaded and widened once for all G, where query_scores widened it once a head. Same sums, same order.
 template <int G, typename T>
-void heads_scores(const float* q, const T* k, const int64_t* rows, int64_t L, int64_t D, float scale, float* scores, int64_t stride) {
+void heads_scores(const float* q, const T* k, const int64_t* rows, int64_t L, int64_t D, float scale, float* scores, int64_t stride,
+                  Ahead& next) {
     int64_t t = 0;
     for (; t + 4 <= L; t += 4) {
         __m256 partial[G][4];
@@ -143,6 +144,7 @@ void heads_scores(const float* q, const T* k, const int64_t* rows, int64_t L, in
         for (int64_t i = 0; i < D; i += 8)
             for (int j = 0; j < 4; ++j) {
                 const __m256 kj = load8(k + rows[t + j] + i);
+                next.step();
                 for (int h = 0; h < G; ++h) partial[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + i), kj, partial[h][j]);
             }
         for (int h = 0; h < G; ++h)
@@ -155,7 +157,8 @@ void heads_scores(const float* q, const T* k, const int64_t* rows, int64_t L, in
 // weighted_values for the G query heads of one KV head (p: G rows p_stride apart; out: G rows out_stride apart; D a
 // multiple of 32), 32 columns at a time: each V row is loaded and widened once for all G. Same sums, same order.
 template <int G, typename T>
-void heads_values(const float* p, int64_t p_stride, const T* v, const int64_t* rows, int64_t L, int64_t D, float* out, int64_t out_stride) {
+void heads_values(const float* p, int64_t p_stride, const T* v, const int64_t* rows, int64_t L, int64_t D, float* out, int64_t out_stride,
+                  Ahead& next) {
     for (int64_t c0 = 0; c0 < D; c0 += 32) {
         __m256 acc[G][4];
         for (int h = 0; h < G; ++h)
@@ -163,6 +166,7 @@ void heads_values(const float* p, int64_t p_stride, const T* v, const int64_t* r
         for (int64_t t = 0; t < L; ++t) {
             __m256 pt[G];
             for (int h = 0; h < G; ++h) pt[h] = _mm256_set1_ps(p[h * p_stride + t]);
+            next.step();
             for (int r = 0; r < 4; ++r) {
                 const __m256 vt = load8(v + rows[t] + c0 + 8 * r);
                 for (int h = 0; h < G; ++h) acc[h][r] = _mm256_fmadd_ps(pt[h], vt, acc[h][r]);
@@ -216,28 +220,30 @@ void weighted_values(const float* p, const T* v, const int64_t* rows, int64_t L,
 // Scores of the G query heads of a KV head (q: G rows of D) against L keys: into scores + h * stride.
 template <typename T>
 void kv_head_scores(const float* q, int64_t G, const T* k, const int64_t* rows, int64_t L, int64_t D, float scale, float* scores,
-                    int64_t stride) {
+                    int64_t stride, std::pair<const char*, const char*> ahead) {
+    Ahead next(ahead.first, ahead.second, L / 4 * 4 * (D / 8));
     if (D % 8 != 0 || G == 1) {
         for (int64_t h = 0; h < G; ++h) query_scores(q + h * D, k, rows, L, D, scale, scores + h * stride);
         return;
     }
     head_runs(G, [&](int64_t h, int64_t n) {
-        if (n == 3) heads_scores<3>(q + h * D, k, rows, L, D, scale, scores + h * stride, stride);
-        else heads_scores<2>(q + h * D, k, rows, L, D, scale, scores + h * stride, stride);
+        if (n == 3) heads_scores<3>(q + h * D, k, rows, L, D, scale, scores + h * stride, stride, next);
+        else heads_scores<2>(q + h * D, k, rows, L, D, scale, scores + h * stride, stride, next);
     });
 }
 
 // out[h] += sum_t p[h][t] V[t] for the G query heads of a KV head (p rows p_stride apart, out rows out_stride apart).
 template <typename T>
 void kv_head_values(const float* p, int64_t p_stride, int64_t G, const T* v, const int64_t* rows, int64_t L, int64_t D, float* out,
-                    int64_t out_stride) {
+                    int64_t out_stride, std::pair<const char*, const char*> ahead) {
+    Ahead next(ahead.first, ahead.second, D / 32 * L);
     if (D % 32 != 0 || G == 1) {
         for (int64_t h = 0; h < G; ++h) weighted_values(p + h * p_stride, v, rows, L, D, out + h * out_stride);
         return;
     }
     head_runs(G, [&](int64_t h, int64_t n) {
-        if (n == 3) heads_values<3>(p + h * p_stride, p_stride, v, rows, L, D, out + h * out_stride, out_stride);
-        else heads_values<2>(p + h * p_stride, p_stride, v, rows, L, D, out + h * out_stride, out_stride);
+        if (n == 3) heads_values<3>(p + h * p_stride, p_stride, v, rows, L, D, out + h * out_stride, out_stride, next);
+        else heads_values<2>(p + h * p_stride, p_stride, v, rows, L, D, out + h * out_stride, out_stride, next);
     });
 }
 
@@ -273,12 +279,11 @@ struct Store {
     const c10::Half* meta = nullptr;
     int64_t bs, kvh, dim;
 
-    // Asks for block b's rows ahead of their use, into L1 or only L2: float stores, whose blocks are runs of bytes.
-    void prefetch(int64_t b, bool l1) const {
+    // Asks for block b's rows into L2, well ahead of their use: float stores, whose blocks are runs of bytes.
+    void prefetch(int64_t b) const {
         if (format > BF16) return;
         const int64_t bytes = bs * kvh * dim * (format == F32 ? 4 : 2);
-        for (const char* p = reinterpret_cast<const char*>(data) + b * bytes, *end = p + bytes; p < end; p += 64)
-            l1 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
+        for (const char* p = reinterpret_cast<const char*>(data) + b * bytes, *end = p + bytes; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T1);
     }
 
     // Block b's values, as bytes.
@@ -514,9 +519,9 @@ struct KVStores {
     bool writable = false;  // new tokens land in a float, fp8, int8 or int4 store (the residual pool's, where there is one): attend writes them
 
     // Asks for block `id` of main store m, or of r, the residual pool's, whose ids follow the main pool's.
-    void prefetch(const Store& m, const Store& r, int64_t id, bool l1) const {
-        if (id >= num_main) r.prefetch(id - num_main, l1);
-        else m.prefetch(id, l1);
+    void prefetch(const Store& m, const Store& r, int64_t id) const {
+        if (id >= num_main) r.prefetch(id - num_main);
+        else m.prefetch(id);
     }
 
     std::pair<const char*, const char*> span(const Store& m, const Store& r, int64_t id) const {
@@ -612,7 +617,7 @@ void prefetch_context(const KVStores& s, int64_t B, const int64_t* tables, int64
     for (int64_t b = 0, budget = (256 << 10) / block_bytes; b < B; ++b) {
         const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) / bs : 0;
         for (int64_t i = first; i * bs < lens[b] && budget > 0; ++i, --budget) {
-            s.prefetch(k, s.rk, tables[b * W + i], false), s.prefetch(v, s.rv, tables[b * W + i], false);
+            s.prefetch(k, s.rk, tables[b * W + i]), s.prefetch(v, s.rv, tables[b * W + i]);
         }
     }
 }
@@ -679,10 +684,10 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
     }
     const int64_t G = H / KVH;
     const bool wide = kvq::avx512_enabled() && D % 64 == 0;
-    // With AVX-512 the kernels fetch the next block (K's, then the chunk's first V block, then V's) a few lines at a time
-    // between their arithmetic, each of a block's KVH calls a share of its lines: the fetch overlaps the arithmetic, where
-    // prefetching a whole block at once stalled as long as reading it (by decode attention's clock, after 2,000 tokens
-    // 2.71-2.79 ms a step against 3.39-3.71, after 128 0.37-0.40 against 0.42-0.46; SmolLM2 on an AMX Xeon)
+    // The kernels fetch the next block (K's, then the chunk's first V block, then V's) a few lines at a time between
+    // their arithmetic (Ahead), each of a block's KVH calls a share of its lines: the fetch overlaps the arithmetic, where
+    // prefetching a whole block before it stalled as long as reading it (decode attention's clock after 2,000 tokens,
+    // SmolLM2 on an AMX Xeon: 2.34-2.65 ms a step against 3.12-3.44 with AVX-512, 2.69-2.77 against 3.48-3.79 with AVX2)
     const std::pair<const char*, const char*> none{nullptr, nullptr};
     auto share = [&](std::pair<const char*, const char*> span, int64_t g) -> std::pair<const char*, const char*> {
         const int64_t per = ((span.second - span.first) / 64 + KVH - 1) / KVH * 64;
@@ -733,14 +738,9 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
             for (int64_t t = t0, n, at = 0, count = 0; t < t1; t += n, at += count) {
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
-                // the blocks of a table lie anywhere: without AVX-512, ask for the next K block, and this V block for
-                // the pass below; touch this K block's lines in order (with it, already fetched but a chunk's first)
-                if (!wide) {
-                    if (t + n < t1) s.prefetch(ks, rks, tp[b * W + (t + n) / bs], true);
-                    s.prefetch(vs, rvs, tp[b * W + t / bs], false);
-                }
+                // a chunk's first K block was not fetched ahead: touch its lines in order (the others', already here, cost little)
                 s.touch(ks, rks, tp[b * W + t / bs]);
-                const auto next = !wide ? none : t + n < t1 ? s.span(ks, rks, tp[b * W + (t + n) / bs]) : s.span(vs, rvs, tp[b * W + t0 / bs]);
+                const auto next = t + n < t1 ? s.span(ks, rks, tp[b * W + (t + n) / bs]) : s.span(vs, rvs, tp[b * W + t0 / bs]);
                 for (int64_t g = 0; g < KVH; ++g)
                     with_block_rows(ks, rks, tp[b * W + t / bs], o, n, g, b, t, [&](const Source& src, int64_t c) {
                         float* s = scores.data() + g * G * stride + at;
@@ -753,7 +753,7 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                                                    h == 0 ? e : nullptr);
                             });
                         else with_floats(src, [&](const auto* base) {
-                            kv_head_scores(q + b * q_stride + g * G * D, G, base, rows.data() + o, c, D, float(scale), s, stride);
+                            kv_head_scores(q + b * q_stride + g * G * D, G, base, rows.data() + o, c, D, float(scale), s, stride, {a, e});
                         });
                     });
             }
@@ -766,7 +766,7 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                 const int64_t o = t % bs;
                 n = std::min(bs - o, t1 - t);
                 s.touch(vs, rvs, tp[b * W + t / bs]);
-                const auto next = wide && t + n < t1 ? s.span(vs, rvs, tp[b * W + (t + n) / bs]) : none;
+                const auto next = t + n < t1 ? s.span(vs, rvs, tp[b * W + (t + n) / bs]) : none;
                 for (int64_t g = 0; g < KVH; ++g)
                     with_block_rows(vs, rvs, tp[b * W + t / bs], o, n, g, b, t, [&](const Source& src, int64_t c) {
                         const float* p = scores.data() + g * G * stride + at;
@@ -774,7 +774,9 @@ void attend(const KVStores& s, const float* q, int64_t q_stride, const NewKV* fr
                         float* out = part + g * G * (D + 2);
                         const auto [a, e] = share(next, g);
                         if (wide) kva::values_avx512(src.format, p, stride, G, src.data, src.meta, src.channel, rows.data() + o, c, D, out, D + 2, a, e);
-                        else with_floats(src, [&](const auto* base) { kv_head_values(p, stride, G, base, rows.data() + o, c, D, out, D + 2); });
+                        else with_floats(src, [&](const auto* base) {
+                            kv_head_values(p, stride, G, base, rows.data() + o, c, D, out, D + 2, {a, e});
+                        });
                     });
             }
             if (tasks[b + 1] - tasks[b] == 1) {  // the whole context in one chunk: normalize here, no merge

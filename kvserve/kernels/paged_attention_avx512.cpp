@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "simd.h"
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")
 
@@ -78,20 +80,6 @@ inline void load32(const void* base, const uint16_t* meta, const float* channel,
         hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask))), scale, minimum);
     }
 }
-
-// The next block's lines, asked for into L1 a few at a time between this block's arithmetic (`steps` times), so
-// that its fetch overlaps the arithmetic; what is left when this block is done, at once.
-struct Ahead {
-    const char *p, *end;
-    int64_t per;
-    Ahead(const char* from, const char* to, int64_t steps) : p(from), end(to), per(steps > 0 ? ((to - from) / 64 + steps - 1) / steps : 0) {}
-    inline void step() {
-        for (int64_t k = 0; k < per && p < end; ++k, p += 64) _mm_prefetch(p, _MM_HINT_T0);
-    }
-    ~Ahead() {
-        for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
-    }
-};
 
 // Lane j of the result is the sum of v[j]'s lanes, for each the same tree: (v[e] + v[8 + e]) + (v[4 + e] + v[12 + e])
 // for e < 4, then (e0 + e2) + (e1 + e3), as _mm512_reduce_add_ps sums a single key's (the tail's, below).

@@ -18,6 +18,21 @@ inline __m256 exp_ps(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
 
+// The next block's lines, asked for into L1 a few at a time between a block's arithmetic (`steps` times), so that
+// its fetch runs under the arithmetic; what is left when this block is done, at once. (Asking for a whole block at
+// once stalls as long as reading it: the prefetches wait for fill buffers as loads do.)
+struct Ahead {
+    const char *p, *end;
+    int64_t per;
+    Ahead(const char* from, const char* to, int64_t steps) : p(from), end(to), per(steps > 0 ? ((to - from) / 64 + steps - 1) / steps : 0) {}
+    inline void step() {
+        for (int64_t k = 0; k < per && p < end; ++k, p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    }
+    ~Ahead() {
+        for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    }
+};
+
 // Eight floats as bfloat16, rounded to nearest even as torch's .to(bfloat16) rounds finite values.
 inline __m128i bf16_round(__m256 v) {
     const __m256i bits = _mm256_castps_si256(v);
